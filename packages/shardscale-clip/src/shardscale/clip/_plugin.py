@@ -1,0 +1,5 @@
+"""shardscale-clip's plugin module (filled by its issue)."""
+
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -1,0 +1,98 @@
+"""shardscale.core: the plugin registry, the protocols plugins implement, and ShardedGradScaler.
+
+Quick start::
+
+    from shardscale.core import ShardedGradScaler
+
+    scaler = ShardedGradScaler("cpu")          # or "cuda"; same arguments as torch.amp.GradScaler
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x).sum()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+"""
+
+from __future__ import annotations
+
+from shardscale.core._errors import (
+    BackendUnavailableError,
+    LayoutError,
+    PluginConflictError,
+    PluginNotFoundError,
+    ShardscaleError,
+)
+from shardscale.core._foreach_kernels import ForeachKernels
+from shardscale.core._gradients import GradBuckets, collect_grads, optimizer_params
+from shardscale.core._hookspecs import ENTRY_POINT_GROUP, HOOK_KINDS, PROJECT, hookimpl
+from shardscale.core._local import LocalBackend
+from shardscale.core._plain_adapter import PlainTensorAdapter
+from shardscale.core._protocols import (
+    AdapterContext,
+    CollectiveBackend,
+    CompletedHandle,
+    GradAdapter,
+    GradShard,
+    Handle,
+    Middleware,
+    ReduceOp,
+    StatsKernels,
+    StepRecord,
+)
+from shardscale.core._registry import (
+    BACKEND_ENV,
+    DISABLE_ENV,
+    IN_PROCESS,
+    ItemInfo,
+    LoadFailure,
+    PluginInfo,
+    Registry,
+    get_registry,
+    reset_registry,
+)
+from shardscale.core._scaler import OptState, ScalerStateError, ShardedGradScaler
+
+__all__ = [
+    # the scaler
+    "ShardedGradScaler",
+    "OptState",
+    # registry
+    "Registry",
+    "get_registry",
+    "reset_registry",
+    "hookimpl",
+    "PROJECT",
+    "ENTRY_POINT_GROUP",
+    "HOOK_KINDS",
+    "DISABLE_ENV",
+    "BACKEND_ENV",
+    "IN_PROCESS",
+    "PluginInfo",
+    "ItemInfo",
+    "LoadFailure",
+    # protocols and data
+    "ReduceOp",
+    "Handle",
+    "CompletedHandle",
+    "CollectiveBackend",
+    "Middleware",
+    "GradShard",
+    "AdapterContext",
+    "GradAdapter",
+    "StatsKernels",
+    "StepRecord",
+    # built-ins
+    "LocalBackend",
+    "PlainTensorAdapter",
+    "ForeachKernels",
+    # gradient collection shared with shardscale.clip
+    "GradBuckets",
+    "collect_grads",
+    "optimizer_params",
+    # errors
+    "ShardscaleError",
+    "PluginNotFoundError",
+    "PluginConflictError",
+    "BackendUnavailableError",
+    "LayoutError",
+    "ScalerStateError",
+]

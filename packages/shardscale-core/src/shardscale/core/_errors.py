@@ -1,0 +1,38 @@
+"""Exceptions raised by shardscale.
+
+Every error names what was wrong and how to fix it; none of them leaves a
+scaler, an optimizer or a gradient half-changed.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ShardscaleError",
+    "PluginNotFoundError",
+    "PluginConflictError",
+    "BackendUnavailableError",
+    "LayoutError",
+]
+
+
+class ShardscaleError(RuntimeError):
+    """Base class of every error shardscale raises on purpose."""
+
+
+class PluginNotFoundError(ShardscaleError, KeyError):
+    """A plugin was asked for by a name that no installed plugin provides."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class PluginConflictError(ShardscaleError):
+    """Two plugins claim the same name."""
+
+
+class BackendUnavailableError(ShardscaleError):
+    """A collective backend exists but cannot run here (e.g. nccl without CUDA)."""
+
+
+class LayoutError(ShardscaleError, ValueError):
+    """Gradients are laid out in a way no adapter can combine into one global value."""

@@ -1,0 +1,55 @@
+"""The ``foreach`` statistics kernels: torch's multi-tensor ops, on every device."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+__all__ = ["ForeachKernels"]
+
+
+class ForeachKernels:
+    """Default kernels built on ``torch._foreach_*`` and torch's AMP unscale kernel.
+
+    ``unscale_and_check_`` is one read and one write per gradient (the same
+    kernel torch's GradScaler uses, so results are bit-identical).
+    ``partial_norm`` is one read.
+    """
+
+    name: ClassVar[str] = "foreach"
+    priority: ClassVar[int] = 0
+
+    def supports(self, device: torch.device) -> bool:
+        """Foreach ops run on every device torch supports."""
+        del device
+        return True
+
+    def unscale_and_check_(
+        self, tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+    ) -> None:
+        """Multiply by ``inv_scale`` in place and flag inf/nan in ``found_inf``."""
+        if tensors:
+            torch._amp_foreach_non_finite_check_and_unscale_(list(tensors), found_inf, inv_scale)
+
+    def partial_norm(self, tensors: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+        """Σ|x|^p (finite p) or max|x| (inf) over every element, as float32."""
+        if not tensors:
+            return torch.zeros((), dtype=torch.float32)
+        device = tensors[0].device
+        # Reduce in float32 whatever the grad dtype: fp16 sums overflow long before fp32 ones.
+        norms = torch._foreach_norm(list(tensors), norm_type, dtype=torch.float32)
+        stacked = torch.stack(norms)
+        if math.isinf(norm_type):
+            return stacked.max().to(device)
+        if norm_type == 1.0:
+            return stacked.sum()
+        # Σ_t ||t||_p^p: each norm is raised back to p so that partials add across tensors and ranks.
+        return stacked.pow(norm_type).sum()
+
+    def mul_(self, tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
+        """Multiply every tensor in place by the 0-dim ``coef``."""
+        if tensors:
+            torch._foreach_mul_(list(tensors), coef.to(tensors[0].device))

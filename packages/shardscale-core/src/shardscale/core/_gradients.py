@@ -1,0 +1,105 @@
+"""Turning an optimizer's (or any list of) parameters into buckets of local gradient tensors.
+
+Shared by the scaler and the clipping package: one walk over the parameters,
+each described by the adapter that claims it, grouped by (device, dtype) so the
+stats kernels run once per group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from shardscale.core._errors import LayoutError
+from shardscale.core._protocols import AdapterContext
+
+if TYPE_CHECKING:
+    from shardscale.core._registry import Registry
+
+__all__ = ["GradBuckets", "collect_grads", "optimizer_params"]
+
+_Key = tuple[torch.device, torch.dtype]
+
+
+@dataclass(slots=True)
+class GradBuckets:
+    """Local gradient tensors grouped by (device, dtype).
+
+    ``every`` holds every local tensor (each must be unscaled/clipped);
+    ``counted`` only those whose copy on this rank contributes to global sums.
+    """
+
+    every: dict[_Key, list[torch.Tensor]] = field(default_factory=dict)
+    counted: dict[_Key, list[torch.Tensor]] = field(default_factory=dict)
+    count: int = 0
+
+    def devices(self) -> list[torch.device]:
+        """Devices that hold at least one local gradient, in first-seen order."""
+        seen: dict[torch.device, None] = {}
+        for device, _ in self.every:
+            seen.setdefault(device, None)
+        return list(seen)
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+    """Every parameter of every param group of ``optimizer``."""
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def collect_grads(
+    params: Iterable[torch.Tensor],
+    ctx: AdapterContext,
+    registry: Registry,
+    *,
+    group_ranks: tuple[int, ...] | None,
+    coalesce_sparse: bool = True,
+) -> GradBuckets:
+    """Describe each parameter's gradient through its adapter and bucket the local data.
+
+    Parameters without a gradient are skipped (other ranks may have one: the
+    reduction still happens on every rank, so nobody waits forever). Sparse
+    gradients contribute their values; fp16 sparse gradients are coalesced first,
+    as torch's GradScaler does, so duplicate indices cannot overflow separately.
+    """
+    buckets = GradBuckets()
+    allowed = frozenset(group_ranks) if group_ranks is not None else None
+    for param in params:
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(
+                f"expected parameters to be tensors, got {type(param).__name__}; pass "
+                "model.parameters() or the optimizer's parameters"
+            )
+        grad = param.grad
+        if grad is None:
+            continue
+        if grad.is_sparse:
+            if coalesce_sparse and grad.dtype is torch.float16:
+                param.grad = grad = grad.coalesce()
+            local, counts = grad._values(), ctx.rank == 0 or "*" in ctx.distinct_dims
+        else:
+            shard = registry.adapter_for(param).describe(param, grad, ctx)
+            local, counts = shard.local, shard.counts
+            if shard.ranks is not None and allowed is not None and not shard.ranks <= allowed:
+                missing = sorted(shard.ranks - allowed)
+                raise LayoutError(
+                    f"a gradient of shape {tuple(param.shape)} lives on ranks "
+                    f"{sorted(shard.ranks)}, but the reduction group holds only ranks "
+                    f"{sorted(allowed)} (missing {missing}). Pass process_group=... covering "
+                    "every rank that holds these parameters (the default group usually does)."
+                )
+        if local.is_complex() or not local.is_floating_point():
+            raise TypeError(
+                f"gradients must be real floating point, got {local.dtype} for a parameter of "
+                f"shape {tuple(param.shape)}; mixed precision scaling and norm clipping only "
+                "apply to float16/bfloat16/float32/float64 parameters"
+            )
+        key = (local.device, local.dtype)
+        buckets.every.setdefault(key, []).append(local)
+        if counts:
+            buckets.counted.setdefault(key, []).append(local)
+        buckets.count += 1
+    return buckets

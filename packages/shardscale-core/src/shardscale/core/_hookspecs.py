@@ -1,0 +1,84 @@
+"""Hook specifications: every kind of shardscale plugin is told apart by the hook it implements.
+
+A plugin is any module or object with functions marked by :data:`hookimpl`.
+Installed distributions expose one plugin module each in the ``shardscale``
+entry-point group; tests and users may also register objects in-process with
+:meth:`shardscale.core.Registry.register`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from shardscale.core._protocols import (
+        CollectiveBackend,
+        GradAdapter,
+        StatsKernels,
+        StepRecord,
+    )
+
+__all__ = ["PROJECT", "ENTRY_POINT_GROUP", "hookimpl", "HOOK_KINDS"]
+
+PROJECT = "shardscale"
+ENTRY_POINT_GROUP = "shardscale"
+
+_hookspec = pluggy.HookspecMarker(PROJECT)
+#: Mark plugin functions with ``@hookimpl``; it is re-exported as ``shardscale.core.hookimpl``.
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@_hookspec
+def shardscale_collective_backends() -> Sequence[type[CollectiveBackend]]:  # type: ignore[empty-body]
+    """Return backend classes, each with a unique class attribute ``name``.
+
+    A class is instantiated with no arguments when a user selects it, and may
+    define a classmethod ``unavailable_reason() -> str | None`` saying why it
+    cannot run on this machine (``None``: it can).
+    """
+
+
+@_hookspec
+def shardscale_middlewares() -> Sequence[type]:  # type: ignore[empty-body]
+    """Return middleware classes, each with a unique ``name``.
+
+    A middleware class is instantiated as ``cls(inner)`` around another backend
+    and must itself satisfy the :class:`~shardscale.core.CollectiveBackend`
+    protocol. Chains are written left to right: ``counting+coalescing+c10d``.
+    """
+
+
+@_hookspec
+def shardscale_grad_adapters() -> Sequence[GradAdapter]:  # type: ignore[empty-body]
+    """Return gradient adapter instances (each with ``name`` and ``priority``).
+
+    For every parameter the adapter with the highest priority whose
+    ``claims(param)`` is true describes its gradient.
+    """
+
+
+@_hookspec
+def shardscale_stats_kernels() -> Sequence[StatsKernels]:  # type: ignore[empty-body]
+    """Return statistics/apply kernel instances (each with ``name`` and ``priority``).
+
+    For each device the highest-priority kernel whose ``supports(device)`` is
+    true is used, unless the caller names one.
+    """
+
+
+@_hookspec
+def shardscale_on_step(record: StepRecord) -> None:
+    """Observe one finished scaler iteration (called after ``update()``)."""
+
+
+#: Which hook defines which kind of plugin, as the listing reports it.
+HOOK_KINDS: dict[str, str] = {
+    "shardscale_collective_backends": "backend",
+    "shardscale_middlewares": "middleware",
+    "shardscale_grad_adapters": "adapter",
+    "shardscale_stats_kernels": "kernels",
+    "shardscale_on_step": "observer",
+}

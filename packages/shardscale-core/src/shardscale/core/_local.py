@@ -1,0 +1,62 @@
+"""The ``local`` backend: a single process, so every reduction is the identity."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from shardscale.core._protocols import CompletedHandle, Handle, ReduceOp
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+
+__all__ = ["LocalBackend"]
+
+
+class LocalBackend:
+    """Single-process backend: no communication, world size 1.
+
+    The registry picks it automatically when ``torch.distributed`` is not
+    initialized. Used inside a multi-rank run it would let ranks diverge, so it
+    refuses a group larger than one rank.
+    """
+
+    name: ClassVar[str] = "local"
+
+    def all_reduce(
+        self, tensor: torch.Tensor, *, op: ReduceOp, group: ProcessGroup | None
+    ) -> Handle:
+        """Return at once: the local value already is the global one."""
+        del tensor, op
+        if self.world_size(group) != 1:
+            from shardscale.core._errors import BackendUnavailableError
+
+            raise BackendUnavailableError(
+                "the 'local' backend cannot reduce over a process group of "
+                f"{self.world_size(group)} ranks: ranks would disagree. Use 'c10d' "
+                "(pip install shardscale-collectives) or leave the backend unset."
+            )
+        return CompletedHandle()
+
+    def world_size(self, group: ProcessGroup | None) -> int:
+        """1, unless a real process group is passed in."""
+        if group is None:
+            return 1
+        import torch.distributed as dist
+
+        return int(dist.get_world_size(group))
+
+    def rank(self, group: ProcessGroup | None) -> int:
+        """Always 0."""
+        del group
+        return 0
+
+    def group_ranks(self, group: ProcessGroup | None) -> tuple[int, ...]:
+        """``(0,)``: the only rank."""
+        del group
+        return (0,)
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """The local backend runs everywhere."""
+        return None

@@ -1,0 +1,37 @@
+"""The adapter for plain tensors: grads identical on every rank (DDP, single process)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from shardscale.core._protocols import AdapterContext, GradShard
+
+__all__ = ["PlainTensorAdapter"]
+
+
+class PlainTensorAdapter:
+    """Describes ordinary ``torch.Tensor`` gradients.
+
+    A plain gradient is taken to be replicated over the reduction group (that
+    is what DDP and a single process give), so only group rank 0 counts it
+    towards sums. Parameters of pipeline stages held in plain tensors are
+    different on each rank: declare that with ``distinct_dims={"*"}`` (every
+    rank holds its own) on the scaler or the clip call.
+    """
+
+    name: ClassVar[str] = "plain"
+    priority: ClassVar[int] = 0
+
+    def claims(self, param: torch.Tensor) -> bool:
+        """Plain tensors (exact ``torch.Tensor`` or ``nn.Parameter``), not subclasses like DTensor."""
+        return type(param) in (torch.Tensor, torch.nn.Parameter) or (
+            isinstance(param, torch.nn.Parameter) and type(param.data) is torch.Tensor
+        )
+
+    def describe(self, param: torch.Tensor, grad: torch.Tensor, ctx: AdapterContext) -> GradShard:
+        """The grad itself; counted on group rank 0 unless ranks are declared distinct."""
+        del param
+        counts = ctx.rank == 0 or "*" in ctx.distinct_dims
+        return GradShard(local=grad, counts=counts, ranks=None)

@@ -1,0 +1,34 @@
+"""shardscale-core's own plugin: registered through the ``shardscale`` entry point like any other."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shardscale.core._foreach_kernels import ForeachKernels
+from shardscale.core._hookspecs import hookimpl
+from shardscale.core._local import LocalBackend
+from shardscale.core._plain_adapter import PlainTensorAdapter
+
+__all__ = [
+    "shardscale_collective_backends",
+    "shardscale_grad_adapters",
+    "shardscale_stats_kernels",
+]
+
+
+@hookimpl
+def shardscale_collective_backends() -> Sequence[type]:
+    """The single-process ``local`` backend."""
+    return [LocalBackend]
+
+
+@hookimpl
+def shardscale_grad_adapters() -> Sequence[object]:
+    """The plain-tensor adapter."""
+    return [PlainTensorAdapter()]
+
+
+@hookimpl
+def shardscale_stats_kernels() -> Sequence[object]:
+    """The foreach kernels, usable on every device."""
+    return [ForeachKernels()]

@@ -1,0 +1,206 @@
+"""The contracts that plugins implement.
+
+[Note: one step as data]
+An optimizer step is described by data flowing through four kinds of plugin:
+
+* a *grad adapter* turns each parameter's gradient into a :class:`GradShard`:
+  the local tensor to read and write, and whether this rank's copy *counts*
+  towards global sums (only one replica of each logical shard does, so sums
+  stay exact and are never double-counted);
+* a *stats kernel* reads lists of local tensors once and produces per-rank
+  partial statistics (Σ|g|^p or max|g|, and whether anything is non-finite), or
+  unscales them in place while checking for non-finite values;
+* a *collective backend* (possibly wrapped in middleware) combines every rank's
+  partials in ONE all-reduce over the reduction group;
+* *step observers* receive a :class:`StepRecord` after each ``update()``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = [
+    "ReduceOp",
+    "Handle",
+    "CompletedHandle",
+    "CollectiveBackend",
+    "Middleware",
+    "GradShard",
+    "AdapterContext",
+    "GradAdapter",
+    "StatsKernels",
+    "StepRecord",
+]
+
+
+class ReduceOp(enum.StrEnum):
+    """The reductions shardscale needs: SUM for finite-p norms and counts, MAX for inf-norms."""
+
+    SUM = "sum"
+    MAX = "max"
+
+
+@runtime_checkable
+class Handle(Protocol):
+    """A pending reduction. After :meth:`wait` returns, the tensor holds the result."""
+
+    def wait(self) -> None:
+        """Block (or enqueue device work) until the reduced value is in the tensor."""
+
+
+class CompletedHandle:
+    """A handle for a reduction that already finished."""
+
+    __slots__ = ()
+
+    def wait(self) -> None:
+        """Nothing to wait for."""
+
+
+@runtime_checkable
+class CollectiveBackend(Protocol):
+    """Reduces small tensors across the ranks of a process group.
+
+    Implementations are created by the registry from a class exposing ``name``;
+    middleware wrap another backend and keep this same interface.
+    """
+
+    name: ClassVar[str]
+
+    def all_reduce(
+        self, tensor: torch.Tensor, *, op: ReduceOp, group: ProcessGroup | None
+    ) -> Handle:
+        """Reduce ``tensor`` in place over ``group`` (``None``: the default group).
+
+        The result is only guaranteed to be in ``tensor`` after the returned
+        handle's ``wait()``.
+        """
+        ...
+
+    def world_size(self, group: ProcessGroup | None) -> int:
+        """Number of ranks in ``group``."""
+        ...
+
+    def rank(self, group: ProcessGroup | None) -> int:
+        """This process's rank inside ``group``."""
+        ...
+
+    def group_ranks(self, group: ProcessGroup | None) -> tuple[int, ...]:
+        """Global ranks of ``group``, in group order."""
+        ...
+
+
+@runtime_checkable
+class Middleware(Protocol):
+    """A wrapper around a backend, chosen by name (``counting+coalescing+c10d``)."""
+
+    name: ClassVar[str]
+    inner: CollectiveBackend
+
+
+@dataclass(frozen=True, slots=True)
+class GradShard:
+    """What an adapter says about one parameter's gradient on this rank.
+
+    ``local`` is the plain tensor holding this rank's part of the gradient (it
+    is read for statistics and scaled in place). ``counts`` is False on ranks
+    holding a replica that another rank already contributes, so a SUM over
+    every rank counts each element exactly once. ``ranks`` is the set of global
+    ranks that hold some part of this gradient (``None`` when that is every
+    rank of the reduction group); the reduction group must contain them all.
+    """
+
+    local: torch.Tensor
+    counts: bool = True
+    ranks: frozenset[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterContext:
+    """Run-time facts adapters need when describing a gradient.
+
+    ``group`` is the reduction group of the caller (the scaler's or the clip
+    call's process group; ``None`` for the default group or no distributed).
+    ``distinct_dims`` names mesh dimensions whose coordinates hold *different*
+    parameters (pipeline stages): adapters never treat them as replicas.
+    """
+
+    group: ProcessGroup | None = None
+    distinct_dims: frozenset[str] = frozenset()
+    rank: int = 0
+    world_size: int = 1
+
+
+@runtime_checkable
+class GradAdapter(Protocol):
+    """Recognises a family of parameters and describes their gradients."""
+
+    name: ClassVar[str]
+    #: Higher wins when several adapters claim the same parameter.
+    priority: ClassVar[int]
+
+    def claims(self, param: torch.Tensor) -> bool:
+        """Whether this adapter knows how to describe ``param``'s gradient."""
+        ...
+
+    def describe(
+        self, param: torch.Tensor, grad: torch.Tensor, ctx: AdapterContext
+    ) -> GradShard:
+        """Return the local data and the replica status of ``grad`` on this rank."""
+        ...
+
+
+@runtime_checkable
+class StatsKernels(Protocol):
+    """Reads and scales lists of same-device, same-dtype gradient tensors."""
+
+    name: ClassVar[str]
+    #: Higher wins among kernels that support a device.
+    priority: ClassVar[int]
+
+    def supports(self, device: torch.device) -> bool:
+        """Whether the kernels can run on ``device`` here."""
+        ...
+
+    def unscale_and_check_(
+        self, tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+    ) -> None:
+        """Multiply in place by ``inv_scale``; set ``found_inf`` to 1 on any inf/nan."""
+        ...
+
+    def partial_norm(self, tensors: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+        """A 0-dim float32: Σ|x|^p over all elements (finite p) or max|x| (p = inf).
+
+        Any non-finite input makes the result non-finite (nan or inf), which is
+        how the overflow check rides on the same read.
+        """
+        ...
+
+    def mul_(self, tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
+        """Multiply every tensor in place by the 0-dim tensor ``coef``."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What happened in one scaler iteration, handed to ``shardscale_on_step``.
+
+    Values are 0-dim tensors on the scaler's device so that recording costs no
+    host-device synchronisation; call ``.item()`` in an observer if you need a
+    Python number. ``grad_norm`` is set when ``unscale_and_clip_`` ran.
+    """
+
+    step: int
+    scale: torch.Tensor
+    found_inf: torch.Tensor
+    skipped: torch.Tensor
+    growth_tracker: torch.Tensor
+    grad_norm: torch.Tensor | None = None

@@ -1,0 +1,5 @@
+"""shardscale.fsdp."""
+
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -1,0 +1,5 @@
+"""shardscale-fsdp's plugin module (filled by its issue)."""
+
+from __future__ import annotations
+
+__all__: list[str] = []
