@@ -33,7 +33,9 @@ DISTS = [
 ]
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"]
 # Third-party-style plugin distributions that only the tests install.
-TEST_PLUGINS = sorted(p.parent for p in (ROOT / "integration_tests" / "plugins").glob("*/pyproject.toml"))
+TEST_PLUGINS = sorted(
+    p.parent for p in (ROOT / "integration_tests" / "plugins").glob("*/pyproject.toml")
+)
 WHEELHOUSE = ROOT / ".nox" / "_wheels"
 
 
@@ -50,7 +52,9 @@ def _run_tests(session: nox.Session, torch_version: str) -> None:
     session.install(*TEST_DEPS)
     session.install(*_package_dirs(), *(str(p) for p in TEST_PLUGINS))
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")
-    paths = [str(ROOT / "packages" / d / "tests") for d in DISTS] + [str(ROOT / "integration_tests")]
+    paths = [str(ROOT / "packages" / d / "tests") for d in DISTS] + [
+        str(ROOT / "integration_tests")
+    ]
     session.run("pytest", *paths, *session.posargs)
 
 
@@ -88,7 +92,14 @@ def _build_wheels(session: nox.Session) -> None:
         shutil.rmtree(WHEELHOUSE)
     WHEELHOUSE.mkdir(parents=True)
     session.run(
-        "python", "-m", "pip", "wheel", "--no-deps", "-w", str(WHEELHOUSE), *_package_dirs(),
+        "python",
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "-w",
+        str(WHEELHOUSE),
+        *_package_dirs(),
         silent=True,
     )
 

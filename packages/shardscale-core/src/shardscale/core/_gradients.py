@@ -57,6 +57,7 @@ def collect_grads(
     *,
     group_ranks: tuple[int, ...] | None,
     coalesce_sparse: bool = True,
+    as_grads: bool = False,
 ) -> GradBuckets:
     """Describe each parameter's gradient through its adapter and bucket the local data.
 
@@ -64,6 +65,9 @@ def collect_grads(
     reduction still happens on every rank, so nobody waits forever). Sparse
     gradients contribute their values; fp16 sparse gradients are coalesced first,
     as torch's GradScaler does, so duplicate indices cannot overflow separately.
+    With ``as_grads=True`` each item is itself a gradient (``get_total_norm``
+    takes gradients, not parameters) and is described by the adapter that
+    claims its type; sparse ones are then coalesced without being stored back.
     """
     buckets = GradBuckets()
     allowed = frozenset(group_ranks) if group_ranks is not None else None
@@ -73,12 +77,14 @@ def collect_grads(
                 f"expected parameters to be tensors, got {type(param).__name__}; pass "
                 "model.parameters() or the optimizer's parameters"
             )
-        grad = param.grad
+        grad = param if as_grads else param.grad
         if grad is None:
             continue
         if grad.is_sparse:
             if coalesce_sparse and grad.dtype is torch.float16:
-                param.grad = grad = grad.coalesce()
+                grad = grad.coalesce()
+                if not as_grads:
+                    param.grad = grad
             local, counts = grad._values(), ctx.rank == 0 or "*" in ctx.distinct_dims
         else:
             shard = registry.adapter_for(param).describe(param, grad, ctx)

@@ -151,9 +151,7 @@ class GradAdapter(Protocol):
         """Whether this adapter knows how to describe ``param``'s gradient."""
         ...
 
-    def describe(
-        self, param: torch.Tensor, grad: torch.Tensor, ctx: AdapterContext
-    ) -> GradShard:
+    def describe(self, param: torch.Tensor, grad: torch.Tensor, ctx: AdapterContext) -> GradShard:
         """Return the local data and the replica status of ``grad`` on this rank."""
         ...
 

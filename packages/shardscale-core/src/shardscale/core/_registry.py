@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -146,13 +146,17 @@ class Registry:
             self._loaded = True
             if self._load_entry_points:
                 self._load_from_entry_points()
-            if not any(name == "core" for name in self._origins):
-                # Running from a source tree without shardscale-core's metadata: the
-                # built-in plugin still registers through the same hook path.
-                if "core" not in _blocked_names():
-                    import importlib
+            # Running from a source tree without shardscale-core's metadata: the
+            # built-in plugin still registers through the same hook path.
+            if "core" not in self._origins and "core" not in _blocked_names():
+                import importlib
 
-                    self._register(importlib.import_module(_CORE_PLUGIN), "core", "shardscale-core", _dist_version("shardscale-core"))
+                self._register(
+                    importlib.import_module(_CORE_PLUGIN),
+                    "core",
+                    "shardscale-core",
+                    _dist_version("shardscale-core"),
+                )
 
     def _load_from_entry_points(self) -> None:
         blocked = _blocked_names()
@@ -406,7 +410,9 @@ class Registry:
                 dist, version = self._origin(it.plugin)
                 reason = _unavailable_reason(it.obj)
                 if reason is None and kind == "kernels":
-                    reason = None if _supports_any(it.obj) else "no supported device on this machine"
+                    reason = (
+                        None if _supports_any(it.obj) else "no supported device on this machine"
+                    )
                 out.append(
                     ItemInfo(it.name, kind, it.plugin, dist, version, reason is None, reason)
                 )
@@ -483,5 +489,3 @@ def reset_registry() -> None:
     global _registry
     with _registry_lock:
         _registry = None
-
-

@@ -24,7 +24,7 @@ import inspect
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from enum import Enum
 from typing import TYPE_CHECKING, Any, overload
 
@@ -142,6 +142,30 @@ class ShardedGradScaler:
         registry: the plugin registry (default: the process-wide one).
     """
 
+    _device: str
+    _enabled: bool
+    _init_scale: float
+    _growth_factor: float
+    _backoff_factor: float
+    _growth_interval: int
+    _init_growth_tracker: int
+    _hysteresis: int
+    _init_hysteresis_tracker: int
+    _min_scale: float | None
+    _max_scale: float | None
+    process_group: ProcessGroup | None
+    _distinct_dims: frozenset[str]
+    _registry: Registry | None
+    _kernels_name: str | None
+    _backend_spec: str | CollectiveBackend | None
+    _backend: CollectiveBackend | None
+    _scale: torch.Tensor | None
+    _growth_tracker: torch.Tensor | None
+    _hysteresis_tracker: torch.Tensor | None
+    _per_optimizer_states: dict[int, _OptimizerState]
+    _step_count: int
+    _last_grad_norm: torch.Tensor | None
+
     def __init__(
         self,
         device: str = "cuda",
@@ -172,13 +196,21 @@ class ShardedGradScaler:
             )
             self._enabled = False
         _check_factors(growth_factor, backoff_factor, growth_interval)
-        if not isinstance(hysteresis, numbers.Integral) or isinstance(hysteresis, bool) or hysteresis < 1:
+        if (
+            not isinstance(hysteresis, numbers.Integral)
+            or isinstance(hysteresis, bool)
+            or hysteresis < 1
+        ):
             raise ScalerStateError(f"hysteresis must be an int >= 1, got {hysteresis!r}")
         for label, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
             if bound is not None and not _positive_real(bound):
-                raise ScalerStateError(f"{label} must be a finite number > 0 or None, got {bound!r}")
+                raise ScalerStateError(
+                    f"{label} must be a finite number > 0 or None, got {bound!r}"
+                )
         if min_scale is not None and max_scale is not None and min_scale > max_scale:
-            raise ScalerStateError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale})")
+            raise ScalerStateError(
+                f"min_scale ({min_scale}) must not exceed max_scale ({max_scale})"
+            )
         if not _positive_real(init_scale):
             raise ScalerStateError(f"init_scale must be a finite number > 0, got {init_scale!r}")
         self._init_scale = float(init_scale)
@@ -242,7 +274,9 @@ class ShardedGradScaler:
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
-        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
+        self._growth_tracker = torch.full(
+            (), self._init_growth_tracker, dtype=torch.int32, device=dev
+        )
         self._hysteresis_tracker = torch.full(
             (), self._init_hysteresis_tracker, dtype=torch.int32, device=dev
         )
@@ -291,7 +325,9 @@ class ShardedGradScaler:
 
     # -- unscale -------------------------------------------------------------------------------
 
-    def _reduce_found_inf(self, per_device: list[torch.Tensor], scale: torch.Tensor) -> tuple[torch.Tensor, Handle]:
+    def _reduce_found_inf(
+        self, per_device: list[torch.Tensor], scale: torch.Tensor
+    ) -> tuple[torch.Tensor, Handle]:
         # Sum every device's flag on the scale's device and reduce once: one collective per step.
         found = torch.zeros((), dtype=torch.float32, device=scale.device)
         for flag in per_device:
@@ -306,7 +342,9 @@ class ShardedGradScaler:
             return None
         return self.backend.group_ranks(self.process_group)
 
-    def _unscale_grads(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | None) -> list[torch.Tensor]:
+    def _unscale_grads(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | None
+    ) -> list[torch.Tensor]:
         """Unscale (or, with ``inv_scale=None``, only check) every local grad; per-device flags."""
         assert self._scale is not None
         registry = self._reg()
@@ -439,7 +477,7 @@ class ShardedGradScaler:
         if state.stage is OptState.READY:
             flags = self._unscale_grads(optimizer, None)
             state.found_inf, state.handle = self._reduce_found_inf(flags, scale)
-            grad_scale = scale * getattr(optimizer, "grad_scale", 1)
+            grad_scale: torch.Tensor | None = scale * getattr(optimizer, "grad_scale", 1)
         elif state.grad_scale is not None:
             grad_scale = state.grad_scale
         else:
@@ -470,7 +508,9 @@ class ShardedGradScaler:
             found = None
         else:
             found_list = [
-                s.reduced_found_inf() for s in self._per_optimizer_states.values() if s.found_inf is not None
+                s.reduced_found_inf()
+                for s in self._per_optimizer_states.values()
+                if s.found_inf is not None
             ]
             if not found_list:
                 raise ScalerStateError(
@@ -508,7 +548,9 @@ class ShardedGradScaler:
             elif not new_scale.is_floating_point():
                 problem = f"its dtype is {new_scale.dtype}"
             elif not bool(torch.isfinite(new_scale).all()) or float(new_scale.reshape(())) <= 0:
-                problem = f"its value {float(new_scale.reshape(()))} is not a finite positive number"
+                problem = (
+                    f"its value {float(new_scale.reshape(()))} is not a finite positive number"
+                )
             if problem:
                 raise ScalerStateError(
                     f"update(new_scale=...) needs a float or a one-element float tensor on "
@@ -527,17 +569,26 @@ class ShardedGradScaler:
             )
         scale.fill_(new_scale)
 
-    def _update_scale(self, scale: torch.Tensor, tracker: torch.Tensor, found: torch.Tensor) -> None:
+    def _update_scale(
+        self, scale: torch.Tensor, tracker: torch.Tensor, found: torch.Tensor
+    ) -> None:
         if self._hysteresis == 1 and self._min_scale is None and self._max_scale is None:
             torch._amp_update_scale_(
-                scale, tracker, found, self._growth_factor, self._backoff_factor, self._growth_interval
+                scale,
+                tracker,
+                found,
+                self._growth_factor,
+                self._backoff_factor,
+                self._growth_interval,
             )
             return
         assert self._hysteresis_tracker is not None
         hyst = self._hysteresis_tracker
         overflow = found > 0
         back_off = overflow & (hyst <= 1)
-        hyst.copy_(torch.where(overflow, (hyst - 1).clamp(min=1), torch.full_like(hyst, self._hysteresis)))
+        hyst.copy_(
+            torch.where(overflow, (hyst - 1).clamp(min=1), torch.full_like(hyst, self._hysteresis))
+        )
         counted = torch.where(overflow, torch.zeros_like(tracker), tracker + 1)
         grow = (~overflow) & (counted >= self._growth_interval)
         grown = scale * self._growth_factor
@@ -656,7 +707,9 @@ class ShardedGradScaler:
             )
         scale = state_dict["scale"]
         if not _positive_real(scale):
-            raise ScalerStateError(f"state dict key 'scale' must be a finite float > 0, got {scale!r}")
+            raise ScalerStateError(
+                f"state dict key 'scale' must be a finite float > 0, got {scale!r}"
+            )
         tracker = state_dict["_growth_tracker"]
         if not isinstance(tracker, numbers.Integral) or isinstance(tracker, bool) or tracker < 0:
             raise ScalerStateError(
@@ -664,12 +717,14 @@ class ShardedGradScaler:
             )
         try:
             _check_factors(
-                state_dict["growth_factor"], state_dict["backoff_factor"], state_dict["growth_interval"]
+                state_dict["growth_factor"],
+                state_dict["backoff_factor"],
+                state_dict["growth_interval"],
             )
         except ScalerStateError as exc:
             raise ScalerStateError(f"bad scaler state dict: {exc}") from None
-        hysteresis = state_dict.get("hysteresis", self._hysteresis)
-        hyst_tracker = state_dict.get("_hysteresis_tracker", hysteresis)
+        hysteresis: Any = state_dict.get("hysteresis", self._hysteresis)
+        hyst_tracker: Any = state_dict.get("_hysteresis_tracker", hysteresis)
         for key, value in (("hysteresis", hysteresis), ("_hysteresis_tracker", hyst_tracker)):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ScalerStateError(f"state dict key {key!r} must be an int >= 1, got {value!r}")
@@ -677,7 +732,9 @@ class ShardedGradScaler:
         for key in ("min_scale", "max_scale"):
             value = state_dict.get(key, getattr(self, f"_{key}"))
             if value is not None and not _positive_real(value):
-                raise ScalerStateError(f"state dict key {key!r} must be a finite float > 0, got {value!r}")
+                raise ScalerStateError(
+                    f"state dict key {key!r} must be a finite float > 0, got {value!r}"
+                )
             bounds[key] = value
         # Validated: now apply, all at once.
         self._init_scale = float(scale)
@@ -716,5 +773,3 @@ class ShardedGradScaler:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-
-
