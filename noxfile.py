@@ -71,6 +71,25 @@ def tests_matrix(session: nox.Session, torch: str) -> None:
     _run_tests(session, torch)
 
 
+@nox.session(python=PYTHON, venv_params=["--system-site-packages"])
+def gpu(session: nox.Session) -> None:
+    """CUDA/NCCL tests (world size 1) on a machine with a GPU, using that machine's CUDA torch.
+
+    Never part of CI: without CUDA every test it selects skips.
+    """
+    session.install(*TEST_DEPS)
+    session.install(*_package_dirs())
+    session.run(
+        "python",
+        "-c",
+        "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())",
+    )
+    paths = [str(ROOT / "packages" / d / "tests") for d in DISTS] + [
+        str(ROOT / "integration_tests")
+    ]
+    session.run("pytest", "-m", "gpu", *paths, *session.posargs)
+
+
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""

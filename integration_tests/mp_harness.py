@@ -136,7 +136,7 @@ def _worker_main(
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    store = dist.FileStore(store_path, world_size)
+    store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=_PG_TIMEOUT
     )
@@ -166,6 +166,11 @@ def _worker_main(
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
     conn.close()
+    stacks.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown (seconds with torch loaded): nothing is left to flush.
+    os._exit(0)
 
 
 # -- parent side --------------------------------------------------------------------------------
@@ -181,11 +186,11 @@ class _Workers:
         self.procs: list[Any] = []
         self.conns: list[mp_connection.Connection] = []
         store_path = os.path.join(self.tmpdir, "store")
-        env_before = os.environ.get("OMP_NUM_THREADS")
-        # Set before spawning so torch's thread pools start small in the children.
-        os.environ["OMP_NUM_THREADS"] = "1"
-        if sys.platform.startswith("linux"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # Children inherit the environment at spawn: set it for them, restore it for us.
+        env_before = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME")}
+        os.environ["OMP_NUM_THREADS"] = "1"  # torch's thread pools start small
+        if sys.platform.startswith("linux") and env_before["GLOO_SOCKET_IFNAME"] is None:
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback: no hostname resolution needed
         try:
             for rank in range(world_size):
                 parent_end, child_end = ctx.Pipe(duplex=True)
@@ -203,10 +208,11 @@ class _Workers:
             self.kill()
             raise
         finally:
-            if env_before is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = env_before
+            for key, value in env_before.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         self._finalizer = weakref.finalize(self, _kill_all, list(self.procs), self.tmpdir)
 
     def stacks_path(self, rank: int) -> str:
@@ -295,7 +301,7 @@ class Pool:
         self.case_timeout = float(case_timeout)
         self._case_counter = 0
         self._closed = False
-        # Spawn now, wait for readiness at the first run(): startup overlaps test collection.
+        # Spawn now, wait for readiness at the first run(): startup overlaps the caller's work.
         self._workers: _Workers | None = _Workers(world_size, backend)
 
     def __enter__(self) -> Pool:
@@ -322,9 +328,16 @@ class Pool:
         self._case_counter += 1
         case_id = self._case_counter
         message = ("run", case_id, path, module_name, qualname, payload)
-        for conn in workers.conns:
-            conn.send(message)
-        return self._collect(workers, case_id, qualname, limit)
+        try:
+            for conn in workers.conns:
+                conn.send(message)
+            return self._collect(workers, case_id, qualname, limit)
+        except (CaseTimeout, RankFailure):
+            raise  # the pool was already torn down
+        except BaseException:
+            # Interrupted (Ctrl-C, pytest-timeout) or a broken pipe: ranks may be mid-case.
+            self._teardown()
+            raise
 
     def close(self) -> None:
         """Stop the workers (cleanly if they answer, killed otherwise)."""
@@ -347,6 +360,9 @@ class Pool:
 
     def _start_once(self) -> _Workers:
         workers = self._workers
+        if workers is not None and workers.ready and not all(p.is_alive() for p in workers.procs):
+            self._teardown()  # a worker died between cases (e.g. killed by the OS): start afresh
+            workers = None
         if workers is None:
             workers = self._workers = _Workers(self.world_size, self.backend)
         if workers.ready:

@@ -115,3 +115,13 @@ def test_closed_pool_refuses_work() -> None:
         pool.close()
     with pytest.raises(RuntimeError, match="closed"):
         pool.run(_pid)
+
+
+def _exit_hard() -> int:
+    os._exit(7)
+
+
+def test_a_dead_worker_is_reported_and_replaced(pool2: Pool) -> None:
+    with pytest.raises(RankFailure, match=r"died \(exit code 7\)"):
+        pool2.run(_exit_hard)
+    assert pool2.run(_all_reduce_rank) == [3.0, 3.0]

@@ -112,14 +112,28 @@ def reference_scaler(dtype: torch.dtype) -> Any:
     return torch.amp.GradScaler("cpu", **scaler_kw(dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
-@pytest.mark.parametrize("explicit_unscale", [False, True], ids=["auto-unscale", "unscale_"])
+def _parity_cases() -> list[Any]:
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for opt_name in OPTIMIZERS:
+            for explicit in (False, True):
+                # torch's FSDP1 scaler crashes on fp16 + fused + unscale_ (found_inf shape (1,)
+                # vs ()); that path has its own test below.
+                if dtype is torch.float16 and opt_name == "adam_fused" and explicit:
+                    continue
+                cases.append(
+                    pytest.param(
+                        dtype,
+                        opt_name,
+                        explicit,
+                        id=f"{dtype}-{opt_name}-{'unscale_' if explicit else 'auto'}",
+                    )
+                )
+    return cases
+
+
+@pytest.mark.parametrize(("dtype", "opt_name", "explicit_unscale"), _parity_cases())
 def test_parity_with_torch(dtype: torch.dtype, opt_name: str, explicit_unscale: bool) -> None:
-    if dtype is torch.float16 and opt_name == "adam_fused" and explicit_unscale:
-        pytest.skip(
-            "torch's FSDP1 scaler crashes on this path (found_inf shape (1,) vs ()); covered below"
-        )
     data = batches(10, dtype)
     ref_model, our_model = make_model(dtype), make_model(dtype)
     ref_opt = OPTIMIZERS[opt_name](list(ref_model.parameters()))

@@ -1,0 +1,69 @@
+"""The adapter for DTensor parameters: FSDP2 ``fully_shard``, HSDP, FSDP+TP, TP alone, ``replicate``."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from shardscale.core import AdapterContext, GradShard, LayoutError
+from shardscale.fsdp._mesh_replicas import replica_status
+
+__all__ = ["DTENSOR_PRIORITY", "DTensorAdapter"]
+
+#: Above the plain-tensor adapter (0), below FSDP1 (which knows more about its parameters).
+DTENSOR_PRIORITY = 20
+
+
+def _dtensor_type() -> type[Any] | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed support
+        return None
+    return DTensor
+
+
+class DTensorAdapter:
+    """Describes gradients of ``DTensor`` parameters on any device mesh.
+
+    ``local`` is the gradient's local shard (read for statistics, scaled in
+    place). It counts towards global sums only on the rank at coordinate 0 of
+    every mesh dim whose placement is ``Replicate`` and, when the mesh is a
+    slice of a larger root mesh, at coordinate 0 of every other root dim
+    except those named in ``distinct_dims`` (see
+    ``shardscale.fsdp._mesh_replicas``). ``ranks`` are the global ranks of the
+    gradient's mesh. Mixed-precision reduce dtypes and CPU-offloaded gradients
+    need nothing special: the local shard simply has that dtype or device.
+    ``Partial`` gradients are refused with a :class:`~shardscale.core.LayoutError`.
+    """
+
+    name: ClassVar[str] = "dtensor"
+    priority: ClassVar[int] = DTENSOR_PRIORITY
+
+    def __init__(self) -> None:
+        self._dtensor = _dtensor_type()
+
+    def claims(self, param: torch.Tensor) -> bool:
+        """Any ``DTensor`` parameter (FSDP2 turns every managed parameter into one)."""
+        return self._dtensor is not None and isinstance(param, self._dtensor)
+
+    def describe(self, param: torch.Tensor, grad: torch.Tensor, ctx: AdapterContext) -> GradShard:
+        """The grad's local shard, whether this copy counts, and the mesh's ranks."""
+        assert self._dtensor is not None  # claims() said yes
+        if not isinstance(grad, self._dtensor):
+            raise LayoutError(
+                f"a DTensor parameter of shape {tuple(param.shape)} has a plain "
+                f"{type(grad).__name__} gradient; shardscale cannot tell which ranks hold "
+                "which part of it. Assign gradients as DTensors with the parameter's mesh "
+                "(DTensor.from_local(local_grad, param.device_mesh, param.placements))."
+            )
+        import torch.distributed as dist
+
+        status = replica_status(
+            grad.device_mesh,
+            grad.placements,
+            ctx.distinct_dims,
+            global_rank=dist.get_rank() if dist.is_initialized() else 0,
+        )
+        local: torch.Tensor = grad._local_tensor
+        return GradShard(local=local, counts=status.counts, ranks=status.ranks)
