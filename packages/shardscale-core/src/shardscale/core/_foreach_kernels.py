@@ -39,15 +39,21 @@ class ForeachKernels:
         if not tensors:
             return torch.zeros((), dtype=torch.float32)
         device = tensors[0].device
-        # Reduce in float32 whatever the grad dtype: fp16 sums overflow long before fp32 ones.
-        norms = torch._foreach_norm(list(tensors), norm_type, dtype=torch.float32)
-        stacked = torch.stack(norms)
+        # Empty local shards (uneven FSDP sharding) add nothing, and torch's inf-norm rejects them.
+        tensors = [t for t in tensors if t.numel()]
+        if not tensors:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        # Reduce in float32 at least: fp16 sums overflow long before fp32 ones (float64 stays).
+        acc = torch.float64 if tensors[0].dtype is torch.float64 else torch.float32
+        stacked = torch.stack(torch._foreach_norm(list(tensors), norm_type, dtype=acc))
         if math.isinf(norm_type):
-            return stacked.max().to(device)
-        if norm_type == 1.0:
-            return stacked.sum()
-        # Σ_t ||t||_p^p: each norm is raised back to p so that partials add across tensors and ranks.
-        return stacked.pow(norm_type).sum()
+            total = stacked.max()
+        elif norm_type == 1.0:
+            total = stacked.sum()
+        else:
+            # Σ_t ||t||_p^p: each norm is raised back to p so partials add across tensors and ranks.
+            total = stacked.pow(norm_type).sum()
+        return total.to(device=device, dtype=torch.float32)
 
     def mul_(self, tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
         """Multiply every tensor in place by the 0-dim ``coef``."""

@@ -145,7 +145,13 @@ class Registry:
                 return
             self._loaded = True
             if self._load_entry_points:
-                self._load_from_entry_points()
+                try:
+                    self._load_from_entry_points()
+                except PluginConflictError:
+                    # Nothing was registered: the next lookup raises the same error again.
+                    self._loaded = False
+                    self._failures.clear()
+                    raise
             # Running from a source tree without shardscale-core's metadata: the
             # built-in plugin still registers through the same hook path.
             if "core" not in self._origins and "core" not in _blocked_names():
@@ -160,25 +166,31 @@ class Registry:
 
     def _load_from_entry_points(self) -> None:
         blocked = _blocked_names()
-        seen: dict[str, md.EntryPoint] = {}
+        chosen: dict[str, md.EntryPoint] = {}
+        # First pass: blocked names and conflicts, before anything is imported or registered,
+        # so a conflict leaves the registry empty (and raises again on the next lookup).
         for ep in md.entry_points(group=_hookspecs.ENTRY_POINT_GROUP):
             dist_name, version = _ep_origin(ep)
-            previous = seen.get(ep.name)
+            if ep.name in blocked or dist_name in blocked:
+                failure = LoadFailure(
+                    ep.name, dist_name, version, f"blocked by {DISABLE_ENV}", True
+                )
+                if failure not in self._failures:  # the same distribution twice on sys.path
+                    self._failures.append(failure)
+                continue
+            previous = chosen.get(ep.name)
             if previous is not None:
                 if previous.value == ep.value and _ep_origin(previous)[0] == dist_name:
                     continue  # the same distribution seen twice on sys.path
                 raise PluginConflictError(
                     f"two installed distributions register the shardscale plugin {ep.name!r}: "
                     f"{_ep_origin(previous)[0]} ({previous.value}) and {dist_name} ({ep.value}). "
-                    f"Uninstall one of them, or block one with {DISABLE_ENV}={ep.name} "
-                    "and register the other in-process."
+                    f"Uninstall one of them, or block one by its distribution name, e.g. "
+                    f"{DISABLE_ENV}={dist_name}."
                 )
-            seen[ep.name] = ep
-            if ep.name in blocked or dist_name in blocked:
-                self._failures.append(
-                    LoadFailure(ep.name, dist_name, version, f"blocked by {DISABLE_ENV}", True)
-                )
-                continue
+            chosen[ep.name] = ep
+        for ep in chosen.values():
+            dist_name, version = _ep_origin(ep)
             try:
                 plugin = ep.load()
             except Exception as exc:  # report it, keep loading the others
@@ -268,6 +280,7 @@ class Registry:
                 f"no {kind} named {name!r}: misspelled or not installed. "
                 f"Installed {kind}s: {', '.join(available) or '(none)'}."
                 + _install_hint(kind, bare)
+                + self._failures_hint()
             )
         if len(matches) > 1:
             owners = " and ".join(
@@ -278,6 +291,16 @@ class Registry:
                 f"'<distribution>:{bare}', e.g. {self._origin(matches[0].plugin)[0]}:{bare}."
             )
         return matches[0].obj
+
+    def _failures_hint(self) -> str:
+        # The name may belong to a plugin that did not load: say so rather than "not installed".
+        if not self._failures:
+            return ""
+        parts = [
+            f"{f.name} ({f.distribution}): {'blocked' if f.blocked else f.error}"
+            for f in self._failures
+        ]
+        return " Plugins not loaded: " + "; ".join(parts) + "."
 
     # -- typed lookups -------------------------------------------------------------------------
 
@@ -303,6 +326,14 @@ class Registry:
         returned as it is.
         """
         if spec is not None and not isinstance(spec, str):
+            from shardscale.core._protocols import CollectiveBackend
+
+            if not isinstance(spec, CollectiveBackend):
+                raise TypeError(
+                    f"backend must be a spec string such as 'c10d' or 'counting+c10d', or an "
+                    f"object implementing CollectiveBackend (name, all_reduce, world_size, rank, "
+                    f"group_ranks); got {type(spec).__name__} {spec!r}"
+                )
             return spec
         source = "argument"
         if spec is None:
@@ -330,8 +361,16 @@ class Registry:
             raise PluginNotFoundError(f"{exc} (requested by {source}: {spec!r})") from None
         reason = _unavailable_reason(cls)
         if reason is not None:
+            usable = sorted(
+                {
+                    it.name
+                    for it in self._collect().by_kind.get("backend", [])
+                    if _unavailable_reason(it.obj) is None
+                }
+            )
             raise BackendUnavailableError(
-                f"backend {last!r} cannot run here: {reason} (requested by {source}: {spec!r})"
+                f"backend {last!r} cannot run here: {reason} (requested by {source}: {spec!r}). "
+                f"Choose a backend that can, e.g. one of: {', '.join(usable) or '(none)'}."
             )
         backend: CollectiveBackend = cls()
         for mw_name in reversed(middle):

@@ -77,10 +77,27 @@ class _OptimizerState:
 
     def reduced_found_inf(self) -> torch.Tensor:
         if self.handle is not None:
-            self.handle.wait()
-            self.handle = None
+            handle, self.handle = self.handle, None
+            try:
+                handle.wait()
+            except Exception as exc:
+                _note_found_inf(exc)
+                raise
+            assert self.found_inf is not None
+            # A SUM over ranks (and devices) may exceed 1, but fused optimizers skip their step
+            # only when found_inf == 1 exactly: with 2 overflowing ranks they would apply nan.
+            self.found_inf.clamp_(max=1.0)
         assert self.found_inf is not None
         return self.found_inf
+
+
+def _note_found_inf(exc: BaseException) -> None:
+    # A note, not a new exception: the backend's error type (and message) stays catchable.
+    exc.add_note(
+        "shardscale: this was ShardedGradScaler's found_inf all-reduce, which every rank of "
+        "the scaler's process group joins once per step(); a rank that died, raised or "
+        "skipped step()/unscale_() leaves the others failing here"
+    )
 
 
 def _positive_real(value: object) -> bool:
@@ -223,12 +240,18 @@ class ShardedGradScaler:
         self._min_scale = None if min_scale is None else float(min_scale)
         self._max_scale = None if max_scale is None else float(max_scale)
         self.process_group = process_group
+        if isinstance(distinct_dims, (str, bytes)):
+            # frozenset("pp") would silently mean {"p"}.
+            raise TypeError(
+                f"distinct_dims takes a collection of mesh dimension names, got the string "
+                f"{distinct_dims!r}; write e.g. distinct_dims=({distinct_dims!r},)"
+            )
         self._distinct_dims = frozenset(distinct_dims)
         self._registry = registry
         self._kernels_name = kernels
         self._backend_spec = backend
         self._backend: CollectiveBackend | None = None
-        if isinstance(backend, str):
+        if backend is not None:
             self._backend = self._reg().make_backend(backend)  # fail early on a bad name
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
@@ -250,6 +273,11 @@ class ShardedGradScaler:
         return self._backend
 
     def _opt_state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
+        if not hasattr(optimizer, "param_groups"):
+            raise TypeError(
+                f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}; pass the "
+                "optimizer (scaler.step(optimizer)), not the model or its parameters"
+            )
         state = self._per_optimizer_states.get(id(optimizer))
         if state is None:
             state = self._per_optimizer_states[id(optimizer)] = _OptimizerState()
@@ -332,7 +360,11 @@ class ShardedGradScaler:
         found = torch.zeros((), dtype=torch.float32, device=scale.device)
         for flag in per_device:
             found += flag.to(scale.device, non_blocking=True).reshape(())
-        handle = self.backend.all_reduce(found, op=ReduceOp.SUM, group=self.process_group)
+        try:
+            handle = self.backend.all_reduce(found, op=ReduceOp.SUM, group=self.process_group)
+        except Exception as exc:
+            _note_found_inf(exc)
+            raise
         return found, handle
 
     def _group_ranks(self) -> tuple[int, ...] | None:
@@ -354,6 +386,16 @@ class ShardedGradScaler:
             registry,
             group_ranks=self._group_ranks(),
         )
+        for device in buckets.devices():
+            # Checked before any grad is touched: a rejected call changes nothing.
+            if device.type == "meta" or device.type not in (self._scale.device.type, "cpu"):
+                raise ScalerStateError(
+                    f"a gradient is on {device}, but this scaler was built for "
+                    f"{self._device!r} and its scale lives on {self._scale.device}; move the "
+                    f"parameters to {self._scale.device.type}, or build the scaler with "
+                    f"device={device.type!r} and scale a loss on that device"
+                    + (" (meta tensors hold no values to check)" if device.type == "meta" else "")
+                )
         flags: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
             for (device, _dtype), tensors in buckets.every.items():
@@ -736,6 +778,15 @@ class ShardedGradScaler:
                     f"state dict key {key!r} must be a finite float > 0, got {value!r}"
                 )
             bounds[key] = value
+        if (
+            bounds["min_scale"] is not None
+            and bounds["max_scale"] is not None
+            and bounds["min_scale"] > bounds["max_scale"]
+        ):
+            raise ScalerStateError(
+                f"state dict: min_scale ({bounds['min_scale']}) must not exceed max_scale "
+                f"({bounds['max_scale']}); fix the checkpoint or the scaler's bounds"
+            )
         # Validated: now apply, all at once.
         self._init_scale = float(scale)
         self._growth_factor = float(state_dict["growth_factor"])
@@ -757,9 +808,10 @@ class ShardedGradScaler:
         state = self.__dict__.copy()
         if self._enabled:
             if self._per_optimizer_states:
-                raise RuntimeError(
+                # ScalerStateError is also an AssertionError: what torch raises here.
+                raise ScalerStateError(
                     "a ShardedGradScaler can only be pickled at the start of an iteration or "
-                    "after update()"
+                    "after update(); call scaler.update() first, or save scaler.state_dict()"
                 )
             state["_init_scale"] = self.get_scale()
             state["_init_growth_tracker"] = self._get_growth_tracker()
