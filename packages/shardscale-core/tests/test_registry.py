@@ -227,3 +227,55 @@ def test_local_backend_refuses_a_real_multi_rank_group() -> None:
     t = torch.tensor([3.0])
     backend.all_reduce(t, op=ReduceOp.SUM, group=None).wait()
     assert t.item() == 3.0
+
+
+class TaggedAdapter:
+    """Claims parameters tagged ``_tagged`` and records what it describes."""
+
+    name: ClassVar[str] = "tagged"
+    priority: ClassVar[int] = 50
+
+    def __init__(self) -> None:
+        self.described: list[tuple[int, ...]] = []
+
+    def claims(self, param: torch.Tensor) -> bool:
+        return bool(getattr(param, "_tagged", False))
+
+    def describe(self, param: torch.Tensor, grad: torch.Tensor, ctx: Any) -> Any:
+        from shardscale.core import GradShard
+
+        self.described.append(tuple(param.shape))
+        return GradShard(local=grad, counts=True, ranks=None)
+
+
+class AdapterPlugin:
+    def __init__(self) -> None:
+        self.adapter = TaggedAdapter()
+
+    @hookimpl
+    def shardscale_grad_adapters(self) -> list[object]:
+        return [self.adapter]
+
+
+def test_an_in_process_adapter_outranks_the_plain_one_for_its_params() -> None:
+    from shardscale.core import ShardedGradScaler, get_registry
+
+    plugin = AdapterPlugin()
+    registry = get_registry()
+    name = registry.register(plugin, name="tagged-adapter")
+    try:
+        tagged = torch.nn.Parameter(torch.ones(2, 3))
+        tagged._tagged = True  # type: ignore[attr-defined]
+        plain = torch.nn.Parameter(torch.ones(4))
+        assert registry.adapter_for(tagged).name == "tagged"
+        assert registry.adapter_for(plain).name == "plain"
+        assert [a.name for a in registry.adapters()][:1] == ["tagged"]
+        scaler = ShardedGradScaler("cpu", backend="local", init_scale=4.0)
+        opt = torch.optim.SGD([tagged, plain], lr=1.0)
+        scaler.scale(tagged.sum() + plain.sum()).backward()
+        scaler.unscale_(opt)
+        assert plugin.adapter.described == [(2, 3)]
+        assert tagged.grad is not None and torch.equal(tagged.grad, torch.ones(2, 3))
+    finally:
+        registry.unregister(name)
+    assert "tagged" not in registry.names("adapter")
