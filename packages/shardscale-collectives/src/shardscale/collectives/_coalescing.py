@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from shardscale.collectives._c10d import check_reduce_args
-from shardscale.core import CollectiveBackend, Handle, ReduceOp
+from shardscale.core import CollectiveBackend, Handle, MiddlewareBase, ReduceOp
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -91,13 +91,13 @@ class _PendingHandle:
         self._batch.finish()
 
 
-class CoalescingMiddleware:
+class CoalescingMiddleware(MiddlewareBase):
     """Queues reductions and issues one collective per (group, op, device, dtype) on flush."""
 
     name: ClassVar[str] = "coalescing"
 
     def __init__(self, inner: CollectiveBackend) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self._queue: list[tuple[torch.Tensor, ReduceOp, ProcessGroup | None, _PendingHandle]] = []
 
     @property
@@ -138,18 +138,6 @@ class CoalescingMiddleware:
                 failure = exc
         if failure is not None:
             raise failure
-
-    def world_size(self, group: ProcessGroup | None) -> int:
-        """As the inner backend."""
-        return self.inner.world_size(group)
-
-    def rank(self, group: ProcessGroup | None) -> int:
-        """As the inner backend."""
-        return self.inner.rank(group)
-
-    def group_ranks(self, group: ProcessGroup | None) -> tuple[int, ...]:
-        """As the inner backend."""
-        return self.inner.group_ranks(group)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r}, pending={len(self._queue)})"

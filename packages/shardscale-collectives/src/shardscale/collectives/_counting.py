@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from shardscale.collectives._c10d import check_reduce_args
-from shardscale.core import CollectiveBackend, Handle, ReduceOp
+from shardscale.core import CollectiveBackend, Handle, MiddlewareBase, ReduceOp
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -34,7 +34,7 @@ class CollectiveRecord:
     device: str
 
 
-class CountingMiddleware:
+class CountingMiddleware(MiddlewareBase):
     """Records op, group size, bytes, dtype and numel of every ``all_reduce`` it forwards.
 
     Only collectives the inner chain accepted are recorded (a call that raises
@@ -44,7 +44,7 @@ class CountingMiddleware:
     name: ClassVar[str] = "counting"
 
     def __init__(self, inner: CollectiveBackend) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.records: list[CollectiveRecord] = []
 
     def all_reduce(
@@ -73,18 +73,6 @@ class CountingMiddleware:
     def total_bytes(self) -> int:
         """Bytes this rank contributed to the recorded collectives."""
         return sum(r.nbytes for r in self.records)
-
-    def world_size(self, group: ProcessGroup | None) -> int:
-        """As the inner backend."""
-        return self.inner.world_size(group)
-
-    def rank(self, group: ProcessGroup | None) -> int:
-        """As the inner backend."""
-        return self.inner.rank(group)
-
-    def group_ranks(self, group: ProcessGroup | None) -> tuple[int, ...]:
-        """As the inner backend."""
-        return self.inner.group_ranks(group)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r}, records={len(self.records)})"

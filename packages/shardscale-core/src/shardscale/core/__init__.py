@@ -25,6 +25,7 @@ from shardscale.core._foreach_kernels import ForeachKernels
 from shardscale.core._gradients import GradBuckets, collect_grads, optimizer_params
 from shardscale.core._hookspecs import ENTRY_POINT_GROUP, HOOK_KINDS, PROJECT, hookimpl
 from shardscale.core._local import LocalBackend
+from shardscale.core._middleware_base import MiddlewareBase
 from shardscale.core._plain_adapter import PlainTensorAdapter
 from shardscale.core._protocols import (
     AdapterContext,
@@ -75,6 +76,7 @@ __all__ = [
     "CompletedHandle",
     "CollectiveBackend",
     "Middleware",
+    "MiddlewareBase",
     "GradShard",
     "AdapterContext",
     "GradAdapter",
