@@ -1,5 +1,24 @@
-"""shardscale.clip."""
+"""shardscale.clip: gradient-norm clipping for sharded models, fused with unscaling.
+
+Quick start::
+
+    from shardscale.core import ShardedGradScaler
+    from shardscale.clip import unscale_and_clip_
+
+    scaler.scale(loss).backward()
+    norm = unscale_and_clip_(scaler, optimizer, max_norm=1.0)   # one read, one collective
+    scaler.step(optimizer)
+    scaler.update()
+
+Without a scaler, :func:`clip_grad_norm_` and :func:`get_total_norm` are drop-ins
+for ``torch.nn.utils``'s that return the true global norm for FSDP2, FSDP1,
+DDP, tensor-parallel and multi-mesh models.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from shardscale.clip._fused import unscale_and_clip_
+from shardscale.clip._loop_kernels import LoopKernels
+from shardscale.clip._norm import clip_grad_norm_, get_total_norm
+
+__all__ = ["get_total_norm", "clip_grad_norm_", "unscale_and_clip_", "LoopKernels"]

@@ -1,0 +1,112 @@
+"""The stats kernels this package registers, and that every clip call goes through the registry."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import ClassVar
+
+import pytest
+import torch
+
+from shardscale.clip import LoopKernels, clip_grad_norm_, get_total_norm, unscale_and_clip_
+from shardscale.core import ForeachKernels, ShardedGradScaler, get_registry, hookimpl
+
+
+def tensors(dtype: torch.dtype) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randn(n, generator=gen).to(dtype) for n in (5, 17, 1, 40)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("p", [0.5, 1.0, 2.0, 3.0, math.inf])
+def test_loop_and_foreach_agree(dtype: torch.dtype, p: float) -> None:
+    a = LoopKernels().partial_norm(tensors(dtype), p)
+    b = ForeachKernels().partial_norm(tensors(dtype), p)
+    assert a.dtype is b.dtype is torch.float32
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+def test_loop_kernels_unscale_and_mul() -> None:
+    ts = tensors(torch.float32)
+    ts[1][4] = math.inf
+    ref = [t.clone() for t in ts]
+    found = torch.zeros(())
+    LoopKernels().unscale_and_check_(ts, found, torch.tensor(0.25))
+    ref_found = torch.zeros(())
+    torch._amp_foreach_non_finite_check_and_unscale_(ref, ref_found, torch.tensor(0.25))
+    assert float(found) == float(ref_found) == 1.0
+    for a, b in zip(ts, ref, strict=True):
+        assert torch.equal(a, b)
+    LoopKernels().mul_(ts, torch.tensor(2.0))
+    for a, b in zip(ts, ref, strict=True):
+        assert torch.equal(a, b * 2)
+
+
+def test_plugin_registers_loop_kernels_below_foreach() -> None:
+    registry = get_registry()
+    assert "loop" in registry.names("kernels")
+    assert registry.kernels_for(torch.device("cpu")).name == "foreach"
+    assert registry.kernels_for(torch.device("cpu"), "loop").name == "loop"
+    info = [i for i in registry.items() if i.kind == "kernels" and i.name == "loop"]
+    assert info and info[0].distribution == "shardscale-clip"
+
+
+class SpyKernels(ForeachKernels):
+    """Foreach kernels that record what they are asked to do (highest priority: chosen first)."""
+
+    name: ClassVar[str] = "spy"
+    priority: ClassVar[int] = 1000
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.muls = 0
+
+    def partial_norm(self, tensors: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+        self.reads += len(tensors)
+        return super().partial_norm(tensors, norm_type)
+
+    def mul_(self, tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
+        self.muls += len(tensors)
+        super().mul_(tensors, coef)
+
+
+class SpyPlugin:
+    def __init__(self) -> None:
+        self.kernels = SpyKernels()
+
+    @hookimpl
+    def shardscale_stats_kernels(self) -> Sequence[object]:
+        return [self.kernels]
+
+
+def test_every_read_and_multiply_goes_through_the_chosen_kernels() -> None:
+    plugin = SpyPlugin()
+    registry = get_registry()
+    name = registry.register(plugin, name="clip-spy")
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        n_params = len(list(model.parameters()))
+        model(torch.randn(3, 4)).sum().backward()
+        get_total_norm([q.grad for q in model.parameters()])  # type: ignore[misc]
+        assert (plugin.kernels.reads, plugin.kernels.muls) == (n_params, 0)
+        clip_grad_norm_(model.parameters(), 1e-3)
+        assert (plugin.kernels.reads, plugin.kernels.muls) == (2 * n_params, n_params)
+        # One read and one multiply per gradient for an unfused optimizer...
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = ShardedGradScaler("cpu", backend="local")
+        scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+        unscale_and_clip_(scaler, opt, 1.0)
+        assert (plugin.kernels.reads, plugin.kernels.muls) == (3 * n_params, 2 * n_params)
+        # ... and foreach=False bypasses it for the loop kernels.
+        clip_grad_norm_(model.parameters(), 1e-3, foreach=False)
+        assert (plugin.kernels.reads, plugin.kernels.muls) == (3 * n_params, 2 * n_params)
+        # A fused optimizer: one read, no multiply.
+        fused = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+        scaler.step(opt)
+        scaler.update()
+        scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+        unscale_and_clip_(scaler, fused, 1.0)
+        assert (plugin.kernels.reads, plugin.kernels.muls) == (4 * n_params, 2 * n_params)
+    finally:
+        registry.unregister(name)
