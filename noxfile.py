@@ -31,7 +31,8 @@ DISTS = [
     "shardscale-fsdp",
     "shardscale",
 ]
-TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"]
+# numpy: torch's own test-side tools (CommDebugMode, all_gather_object, DCP) import it.
+TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "numpy"]
 # Third-party-style plugin distributions that only the tests install.
 TEST_PLUGINS = sorted(
     p.parent for p in (ROOT / "integration_tests" / "plugins").glob("*/pyproject.toml")
@@ -51,6 +52,8 @@ def _run_tests(session: nox.Session, torch_version: str) -> None:
     _install_torch(session, torch_version)
     session.install(*TEST_DEPS)
     session.install(*_package_dirs(), *(str(p) for p in TEST_PLUGINS))
+    # shardscale's "ui" extra: the demo tests check the plot (the isolated session runs without it).
+    session.install("rich>=13", "matplotlib>=3.7")
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")
     paths = [str(ROOT / "packages" / d / "tests") for d in DISTS] + [
         str(ROOT / "integration_tests")
@@ -69,6 +72,42 @@ def tests(session: nox.Session) -> None:
 def tests_matrix(session: nox.Session, torch: str) -> None:
     """The tests session over every supported torch version."""
     _run_tests(session, torch)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Clipping benchmark: torch's unscale_ + clip_grad_norm_ vs shardscale's unscale_and_clip_.
+
+    World size 2, gloo on CPU, a 33.6M-parameter FSDP2 model on 1-D and 2-D meshes; prints
+    the table and writes .nox/bench-clip.json. Extra arguments go to the benchmark, e.g.
+    ``nox -s bench -- --device cuda`` or ``-- --help``.
+    """
+    _install_torch(session, os.environ.get("SHARDSCALE_TORCH", DEFAULT_TORCH))
+    session.install(*_package_dirs(), str(ROOT / "packages" / "shardscale-clip") + "[bench]")
+    args = list(session.posargs)
+    if not any(a == "--json" or a.startswith("--json=") for a in args):
+        args += ["--json", str(ROOT / ".nox" / "bench-clip.json")]
+    session.run("python", "-m", "shardscale.clip._bench", *args)
+
+
+@nox.session(python=PYTHON)
+def stress(session: nox.Session) -> None:
+    """Long randomized runs: the 4-rank overflow fuzz for hundreds of steps and thousands of
+    random scaler call sequences (the tests session runs short versions of both)."""
+    _install_torch(session, os.environ.get("SHARDSCALE_TORCH", DEFAULT_TORCH))
+    session.install(*TEST_DEPS)
+    session.install(*_package_dirs())
+    env = {
+        "SHARDSCALE_FUZZ_STEPS": os.environ.get("SHARDSCALE_FUZZ_STEPS", "400"),
+        "SHARDSCALE_HYPOTHESIS_EXAMPLES": os.environ.get("SHARDSCALE_HYPOTHESIS_EXAMPLES", "3000"),
+    }
+    session.run(
+        "pytest",
+        str(ROOT / "integration_tests" / "test_fuzz_agreement.py"),
+        str(ROOT / "packages" / "shardscale-core" / "tests" / "test_state_machine_property.py"),
+        *session.posargs,
+        env=env,
+    )
 
 
 @nox.session(python=PYTHON, venv_params=["--system-site-packages"])
@@ -104,6 +143,18 @@ def typecheck(session: nox.Session) -> None:
     _install_torch(session, DEFAULT_TORCH)
     session.install("mypy>=1.10", "pluggy>=1.3", "rich", "matplotlib")
     session.run("mypy", *(str(ROOT / "packages" / d / "src") for d in DISTS))
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Build the docs site (Sphinx + MyST, API from docstrings) into docs/_build/html; warnings fail."""
+    _install_torch(session, DEFAULT_TORCH)
+    session.install("sphinx>=8,<10", "myst-parser>=4")
+    session.install(*_package_dirs())
+    out = ROOT / "docs" / "_build" / "html"
+    args = ["-W", "--keep-going", "-b", "html", str(ROOT / "docs"), str(out)]
+    session.run("sphinx-build", *args, *session.posargs)
+    session.log(f"docs: {out / 'index.html'}")
 
 
 def _build_wheels(session: nox.Session) -> None:

@@ -85,7 +85,7 @@ def get_total_norm(
 
     A drop-in for :func:`torch.nn.utils.get_total_norm` that understands every
     layout an installed adapter knows (DTensor shards and replicas, FSDP1 flat
-    parameters, plain tensors): each rank sums |g|^p over the parts it counts,
+    parameters, plain tensors): each rank sums ``|g|^p`` over the parts it counts,
     and ONE all-reduce over ``process_group`` gives the exact global value.
 
     Returns a plain 0-dim float32 tensor (never a DTensor) with the same value

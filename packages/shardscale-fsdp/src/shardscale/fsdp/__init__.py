@@ -9,9 +9,9 @@ adapter                   parameters                                  priority
 ========================  ==========================================  ========
 ``fsdp1``                 FSDP1 ``FlatParameter`` s and, with         30
                           ``use_orig_params=True``, original params
-``dtensor``               any ``DTensor``: FSDP2 ``fully_shard`` (1-D,  20
-                          HSDP, FSDP+TP), tensor parallel, FSDP2-based
-                          ``replicate``
+``dtensor``               any ``DTensor``: FSDP2 ``fully_shard``      20
+                          (1-D, HSDP, FSDP+TP), tensor parallel,
+                          FSDP2-based ``replicate``
 ``plain`` (core)          plain tensors: DDP, one process             0
 ========================  ==========================================  ========
 """

@@ -56,7 +56,9 @@ def load_corpus(*, held_out_fraction: float = 0.1) -> CharCorpus:
     """Read the shipped text and encode it; the last ``held_out_fraction`` is kept for evaluation."""
     if not 0.0 < held_out_fraction < 1.0:
         raise ValueError(f"held_out_fraction must be in (0, 1), got {held_out_fraction!r}")
-    text = resources.files("shardscale.cli").joinpath("data").joinpath(CORPUS_NAME).read_text("utf-8")
+    text = (
+        resources.files("shardscale.cli").joinpath("data").joinpath(CORPUS_NAME).read_text("utf-8")
+    )
     vocab = "".join(sorted(set(text)))
     index = {ch: i for i, ch in enumerate(vocab)}
     ids = torch.tensor([index[ch] for ch in text], dtype=torch.int64)

@@ -1,0 +1,332 @@
+"""The demo's training loop: FSDP2 (+TP), autocast, ShardedGradScaler and unscale_and_clip_.
+
+Every rank runs :func:`train`; rank 0's ``on_step`` callback receives one
+:class:`StepMetrics` per optimizer step. The loop is what a user would write:
+
+.. code-block:: python
+
+    with torch.autocast(device_type, dtype=torch.float16):
+        loss = loss_fn(model(x), y)
+    scaler.scale(loss).backward()
+    norm = unscale_and_clip_(scaler, optimizer, max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardscale.cli._corpus import CharCorpus, load_corpus
+from shardscale.cli._distributed import DistContext, shard_model
+from shardscale.cli._model import ModelConfig, TinyGPT
+from shardscale.core import ShardedGradScaler, StepRecord, get_registry, hookimpl
+
+__all__ = [
+    "PRECISIONS",
+    "StepMetrics",
+    "TrainConfig",
+    "TrainResult",
+    "train",
+    "full_state",
+    "params_digest",
+]
+
+PRECISIONS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainConfig:
+    """Everything that decides what the demo trains and how."""
+
+    steps: int = 250
+    batch_size: int = 8
+    context: int = 128
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    lr: float = 1e-3
+    warmup: int = 20
+    max_norm: float = 1.0
+    precision: str = "fp16"
+    backend: str | None = None
+    init_scale: float = 2.0**16
+    growth_interval: int = 20
+    seed: int = 0
+    eval_batches: int = 8
+    sample_chars: int = 160
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+            )
+        for name in ("steps", "batch_size", "context", "growth_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not self.max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {self.max_norm!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetrics:
+    """One optimizer step as rank 0 reports it (loss averaged over every data-parallel rank)."""
+
+    step: int
+    loss: float
+    scale: float
+    grad_norm: float
+    skipped: bool
+    skipped_total: int
+    lr: float
+    elapsed_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        """A dict safe for strict JSON: non-finite numbers become ``None``."""
+        out = asdict(self)
+        for key, value in out.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                out[key] = None
+        return out
+
+
+@dataclass(slots=True)
+class TrainResult:
+    """What the run produced, identical on every rank (``rank`` aside)."""
+
+    rank: int
+    world_size: int
+    mesh: str
+    device: str
+    backend: str
+    precision: str
+    parameters: int
+    steps: int
+    skipped_steps: int
+    first_loss: float
+    final_loss: float
+    held_out_loss: float
+    final_scale: float
+    params_sha256: str
+    sample: str
+    wall_s: float
+    history: list[StepMetrics] = field(default_factory=list)
+
+
+class _StepRecorder:
+    """A ``shardscale_on_step`` observer plugin: remembers the last scaler record."""
+
+    def __init__(self) -> None:
+        self.last: StepRecord | None = None
+
+    @hookimpl
+    def shardscale_on_step(self, record: StepRecord) -> None:
+        self.last = record
+
+
+def _chain_name(backend: object) -> str:
+    # "counting+c10d": each middleware exposes the backend it wraps as .inner.
+    names = []
+    while backend is not None:
+        names.append(str(getattr(backend, "name", type(backend).__name__)))
+        backend = getattr(backend, "inner", None)
+    return "+".join(names)
+
+
+def _lr_at(cfg: TrainConfig, step: int) -> float:
+    # Linear warm-up, then cosine decay to a tenth: the usual small-GPT schedule.
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _unscale_and_clip() -> Callable[..., torch.Tensor]:
+    try:
+        from shardscale.clip import unscale_and_clip_
+    except ImportError as exc:  # shardscale depends on shardscale-clip; this is a broken install
+        raise RuntimeError(
+            "shardscale.clip.unscale_and_clip_ is missing: pip install shardscale-clip "
+            f"(or reinstall shardscale) ({exc})"
+        ) from exc
+    return unscale_and_clip_  # type: ignore[no-any-return]
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer, gathered whole on this rank (a collective: call on every rank)."""
+    out = {}
+    for name, value in model.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        out[name] = full.detach().cpu().contiguous()
+    return out
+
+
+def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    # One memcpy of the tensor's memory (bytes(storage) walks it element by element).
+    flat = tensor.detach().cpu().contiguous()
+    return ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size())
+
+
+def params_digest(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of a gathered state dict (see :func:`full_state`), in name order."""
+    digest = hashlib.sha256()
+    for name, value in sorted(state.items()):
+        digest.update(name.encode())
+        digest.update(_raw_bytes(value))
+    return digest.hexdigest()
+
+
+def _mean_over_ranks(value: torch.Tensor, ctx: DistContext) -> float:
+    # Every rank's loss counts once (TP peers saw the same batch, so they agree anyway).
+    total = value.detach().float().reshape(1).clone()
+    dist.all_reduce(total)
+    return float(total.item()) / ctx.world_size
+
+
+def _loss(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    with torch.autocast(x.device.type, dtype=dtype):
+        logits = model(x)
+    # The softmax runs in float32: fp16 log-probabilities lose the small differences that matter.
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+@torch.no_grad()
+def _sample(model: TinyGPT, corpus: CharCorpus, cfg: TrainConfig) -> str:
+    # Runs on an unsharded CPU copy on rank 0 only: sampling one character at a time
+    # through FSDP would all-gather every layer once per character.
+    if cfg.sample_chars <= 0:
+        return ""
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    idx = corpus.held_out[: cfg.context // 2][None, :]
+    out = []
+    for _ in range(cfg.sample_chars):
+        logits = model(idx[:, -cfg.context :])
+        probs = torch.softmax(logits[0, -1].float() / 0.8, dim=-1)
+        nxt = torch.multinomial(probs, 1, generator=gen)
+        out.append(int(nxt))
+        idx = torch.cat([idx, nxt[None, :]], dim=1)
+    return corpus.decode(torch.tensor(out))
+
+
+def train(
+    cfg: TrainConfig,
+    ctx: DistContext,
+    *,
+    on_step: Callable[[StepMetrics], None] | None = None,
+) -> TrainResult:
+    """Train the demo model; every rank calls this. ``on_step`` is called on every rank."""
+    started = time.perf_counter()
+    corpus = load_corpus()
+    # Same seed everywhere: every rank builds the same full model before sharding it.
+    torch.manual_seed(cfg.seed)
+    model_cfg = ModelConfig(
+        vocab_size=corpus.vocab_size,
+        context=cfg.context,
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+    )
+    model = TinyGPT(model_cfg).to(ctx.device)
+    n_params = model.num_parameters()
+    shard_model(model, ctx)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01
+    )
+    scaler = ShardedGradScaler(
+        ctx.device.type,
+        init_scale=cfg.init_scale,
+        growth_interval=cfg.growth_interval,
+        backend=cfg.backend,
+    )
+    unscale_and_clip_ = _unscale_and_clip()
+    dtype = PRECISIONS[cfg.precision]
+    # Data parallel ranks draw different batches; TP peers (same dp coordinate) the same one.
+    data_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17 + ctx.dp_rank)
+    recorder = _StepRecorder()
+    registry = get_registry()
+    plugin_name = registry.register(recorder, name=f"shardscale-demo-recorder-{id(recorder):x}")
+    history: list[StepMetrics] = []
+    skipped_total = 0
+    try:
+        for step in range(cfg.steps):
+            lr = _lr_at(cfg, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = corpus.batch(data_gen, batch_size=cfg.batch_size, context=cfg.context)
+            x, y = x.to(ctx.device), y.to(ctx.device)
+            scale = scaler.get_scale()
+            loss = _loss(model, x, y, dtype)
+            scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+            norm = unscale_and_clip_(scaler, optimizer, max_norm=cfg.max_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            record = recorder.last
+            skipped = bool(record.skipped.item()) if record is not None else False
+            skipped_total += int(skipped)
+            metrics = StepMetrics(
+                step=step + 1,
+                loss=_mean_over_ranks(loss, ctx),
+                scale=scale,
+                grad_norm=float(norm.item()),
+                skipped=skipped,
+                skipped_total=skipped_total,
+                lr=lr,
+                elapsed_s=time.perf_counter() - started,
+            )
+            history.append(metrics)
+            if on_step is not None:
+                on_step(metrics)
+    finally:
+        registry.unregister(plugin_name)
+    backend_name = _chain_name(scaler.backend)
+    if cfg.backend is None:
+        backend_name += " (automatic)"
+    model.eval()
+    eval_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 7 + ctx.dp_rank)
+    losses = []
+    with torch.no_grad():
+        for _ in range(max(1, cfg.eval_batches)):
+            ex, ey = corpus.batch(
+                eval_gen, batch_size=cfg.batch_size, context=cfg.context, held_out=True
+            )
+            losses.append(_loss(model, ex.to(ctx.device), ey.to(ctx.device), dtype))
+    held_out = _mean_over_ranks(torch.stack(losses).mean(), ctx)
+    state = full_state(model)
+    digest = params_digest(state)
+    sample = ""
+    if ctx.is_main:
+        local = TinyGPT(model_cfg)
+        local.load_state_dict(state)
+        sample = _sample(local.eval(), corpus, cfg)
+    return TrainResult(
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        mesh=str(ctx.shape),
+        device=str(ctx.device),
+        backend=backend_name,
+        precision=cfg.precision,
+        parameters=n_params,
+        steps=cfg.steps,
+        skipped_steps=skipped_total,
+        first_loss=history[0].loss,
+        final_loss=history[-1].loss,
+        held_out_loss=held_out,
+        final_scale=scaler.get_scale(),
+        params_sha256=digest,
+        sample=sample,
+        wall_s=time.perf_counter() - started,
+        history=history,
+    )

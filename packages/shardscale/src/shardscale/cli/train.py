@@ -1,0 +1,275 @@
+"""The demo's training script; runs under ``torchrun`` unchanged.
+
+One node, two processes::
+
+    torchrun --nproc-per-node 2 -m shardscale.cli.train --steps 200 --out runs/demo
+
+Two nodes (run one command on each; ``HOST0`` is the first node's address)::
+
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 \\
+        --rdzv-backend c10d --rdzv-endpoint HOST0:29500 -m shardscale.cli.train
+    torchrun --nnodes 2 --node-rank 1 --nproc-per-node 1 \\
+        --rdzv-backend c10d --rdzv-endpoint HOST0:29500 -m shardscale.cli.train
+
+Rank 0 shows progress and writes ``metrics.json`` and ``training.png`` to
+``--out``; every rank writes ``result-rank<N>.json`` (final loss and a hash of
+the full parameters, identical on every rank of a healthy run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["EVENT_PREFIX", "build_parser", "config_from_args", "main"]
+
+#: Lines on rank 0's stdout starting with this carry JSON events for ``shardscale demo``.
+EVENT_PREFIX = "@@shardscale-event "
+DEFAULT_OUT = "shardscale-demo"
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_parser(prog: str = "python -m shardscale.cli.train") -> argparse.ArgumentParser:
+    """Options of the training script (``shardscale demo`` adds --world-size on top)."""
+    from shardscale.cli._trainer import TrainConfig
+
+    d = TrainConfig()
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Train a small character-level transformer on Shakespeare's Sonnets with "
+        "FSDP2, autocast, ShardedGradScaler and unscale_and_clip_.",
+    )
+    add_training_options(p, d)
+    p.add_argument(
+        "--progress",
+        choices=["auto", "rich", "plain", "jsonl", "none"],
+        default="auto",
+        help="how rank 0 reports each step (jsonl: machine-readable events)",
+    )
+    return p
+
+
+def add_training_options(p: argparse.ArgumentParser, d: Any) -> None:
+    """The options shared by the script and ``shardscale demo``."""
+    p.add_argument(
+        "--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})"
+    )
+    p.add_argument(
+        "--precision",
+        choices=["fp16", "bf16"],
+        default=d.precision,
+        help="autocast dtype (default fp16)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="cuda (NCCL, one GPU per process) when available, else cpu (gloo)",
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        metavar="SPEC",
+        help="shardscale collective backend, e.g. c10d or counting+c10d "
+        "(default: automatic; see 'shardscale plugins')",
+    )
+    p.add_argument(
+        "--mesh",
+        default=None,
+        metavar="DPxTP",
+        help="'2x2' = FSDP over 2 ranks x tensor parallel over 2 (default: FSDP over all)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path(DEFAULT_OUT),
+        help=f"folder for metrics.json, training.png, result-rank*.json (default ./{DEFAULT_OUT})",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=d.batch_size, help="sequences per rank per step"
+    )
+    p.add_argument("--context", type=int, default=d.context, help="characters per sequence")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
+    p.add_argument("--max-norm", type=float, default=d.max_norm, help="gradient clipping threshold")
+    p.add_argument(
+        "--growth-interval",
+        type=int,
+        default=d.growth_interval,
+        help="clean steps before the loss scale doubles",
+    )
+    p.add_argument("--init-scale", type=float, default=d.init_scale, help="initial loss scale")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--sample-chars",
+        type=int,
+        default=d.sample_chars,
+        help="characters to generate after training (0: none)",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """A :class:`~shardscale.cli._trainer.TrainConfig` from parsed options (errors name the option)."""
+    from shardscale.cli._trainer import TrainConfig
+
+    return TrainConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        context=args.context,
+        lr=args.lr,
+        max_norm=args.max_norm,
+        precision=args.precision,
+        backend=args.backend,
+        init_scale=args.init_scale,
+        growth_interval=args.growth_interval,
+        seed=args.seed,
+        sample_chars=args.sample_chars,
+        warmup=min(20, max(3, args.steps // 5)),
+    )
+
+
+def _emit(event: dict[str, Any]) -> None:
+    print(EVENT_PREFIX + json.dumps(event, allow_nan=False), flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the training script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    device = args.device or _default_device()
+    # torchrun sets OMP_NUM_THREADS=1 for several processes; keep the cores split when run otherwise.
+    if "OMP_NUM_THREADS" not in os.environ and device == "cpu":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+    import torch.distributed as dist
+
+    from shardscale.cli._distributed import init_distributed
+    from shardscale.cli._report import METRICS_FILE, render_report, result_file, write_json
+    from shardscale.cli._trainer import StepMetrics, train
+    from shardscale.cli._ui import ProgressView, have_rich
+
+    try:
+        ctx = init_distributed(device=device, mesh=args.mesh)
+    except (RuntimeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out_dir: Path = args.out
+    mode = args.progress
+    if mode == "auto":
+        mode = "rich" if have_rich() and sys.stdout.isatty() else "plain"
+    try:
+        if ctx.is_main:
+            mesh_desc = (
+                f"FSDP {ctx.shape.dp} x TP {ctx.shape.tp}"
+                if ctx.shape.tp > 1
+                else f"FSDP over {ctx.shape.dp}"
+            )
+            if mode == "jsonl":
+                _emit(
+                    {
+                        "event": "start",
+                        "steps": cfg.steps,
+                        "world_size": ctx.world_size,
+                        "mesh": mesh_desc,
+                        "device": str(ctx.device),
+                    }
+                )
+            elif mode != "none":
+                print(
+                    f"training on {ctx.world_size} rank(s), {mesh_desc}, {ctx.device}, "
+                    f"{cfg.precision} autocast, launched by {ctx.launcher}",
+                    flush=True,
+                )
+        view = ProgressView(cfg.steps, use_rich=mode == "rich")
+        active = ctx.is_main and mode in ("rich", "plain")
+
+        def on_step(m: StepMetrics) -> None:
+            if not ctx.is_main:
+                return
+            if mode == "jsonl":
+                _emit({"event": "step", **m.to_json()})
+            elif active:
+                view.update(
+                    step=m.step,
+                    loss=m.loss,
+                    scale=m.scale,
+                    grad_norm=m.grad_norm,
+                    skipped=m.skipped,
+                    skipped_total=m.skipped_total,
+                )
+
+        if active:
+            with view:
+                result = train(cfg, ctx, on_step=on_step)
+        else:
+            result = train(cfg, ctx, on_step=on_step)
+        write_json(
+            result_file(out_dir, ctx.rank),
+            {
+                "rank": result.rank,
+                "world_size": result.world_size,
+                "mesh": result.mesh,
+                "steps": result.steps,
+                "skipped_steps": result.skipped_steps,
+                "first_loss": result.first_loss,
+                "final_loss": result.final_loss,
+                "held_out_loss": result.held_out_loss,
+                "params_sha256": result.params_sha256,
+                "launcher": ctx.launcher,
+            },
+        )
+        if ctx.is_main:
+            doc = {
+                "config": asdict(cfg),
+                "run": {
+                    "world_size": ctx.world_size,
+                    "mesh": result.mesh,
+                    "mesh_desc": mesh_desc,
+                    "device": result.device,
+                    "precision": result.precision,
+                    "backend": result.backend,
+                    "parameters": result.parameters,
+                    "launcher": ctx.launcher,
+                    "corpus": "Shakespeare, Sonnets (1609), char-level",
+                    "tokens_per_step": cfg.batch_size * cfg.context * ctx.shape.dp,
+                },
+                "summary": {
+                    "first_loss": result.first_loss,
+                    "final_loss": result.final_loss,
+                    "held_out_loss": result.held_out_loss,
+                    "skipped_steps": result.skipped_steps,
+                    "final_scale": result.final_scale,
+                    "wall_s": result.wall_s,
+                    "params_sha256": result.params_sha256,
+                    "sample": result.sample,
+                },
+                "history": [m.to_json() for m in result.history],
+            }
+            path = write_json(out_dir / METRICS_FILE, doc)
+            if mode == "jsonl":
+                _emit({"event": "done", "metrics": str(path.resolve())})
+            elif mode != "none":
+                render_report(doc, out_dir, stream=sys.stdout)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

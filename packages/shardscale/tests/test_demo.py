@@ -1,0 +1,115 @@
+"""``shardscale demo`` trains for real: 2 gloo processes, FSDP2, fp16, the loss falls, a PNG appears."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from shardscale.cli._ui import have_matplotlib
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Small windows keep the run short on 2 shared cores; the model is the demo's own.
+FAST = ["--context", "64", "--batch-size", "8", "--sample-chars", "0"]
+
+
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_demo_loss_falls_and_plot_exists(run_cli, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_cli(["demo", "--steps", "10", "--out", str(out), "--device", "cpu", *FAST],
+                   timeout=200)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    metrics = _read(out / "metrics.json")
+    losses = [h["loss"] for h in metrics["history"]]
+    assert len(losses) == 10 and all(math.isfinite(v) for v in losses)
+    # Character-level text starts near ln(vocab) and must drop well below it within a few steps.
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first - 0.4, f"loss did not fall: {losses}"
+    assert metrics["run"]["world_size"] == 2 and metrics["run"]["precision"] == "fp16"
+    # The plot exists, is a PNG, and its path was printed (without the ui extra: the hint instead).
+    png = out / "training.png"
+    if have_matplotlib():
+        assert png.read_bytes()[:8] == PNG_MAGIC
+        assert str(png) in proc.stdout
+    else:
+        assert not png.exists() and "pip install 'shardscale[ui]'" in proc.stdout
+    # Both FSDP ranks ended with the same full parameters (they trained one model together).
+    r0, r1 = _read(out / "result-rank0.json"), _read(out / "result-rank1.json")
+    assert (r0["rank"], r1["rank"]) == (0, 1)
+    assert r0["params_sha256"] == r1["params_sha256"]
+    assert r0["final_loss"] == r1["final_loss"] == losses[-1]
+    # Per-step progress was shown (plain lines: the output is not a terminal) and the summary.
+    assert "step    10/10" in proc.stdout
+    assert "shardscale demo: summary" in proc.stdout and "loss: first -> last" in proc.stdout
+    for h in metrics["history"]:
+        assert h["scale"] > 0 and isinstance(h["skipped"], bool)
+        # A skipped step is one whose gradients overflowed: its norm is inf/nan (stored as null).
+        assert (h["grad_norm"] is None) == h["skipped"], h
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_demo_without_rich_and_matplotlib_still_trains(run_cli, tmp_path: Path) -> None:
+    out = tmp_path / "plain"
+    hide = "import sys\nsys.modules['rich'] = None\nsys.modules['matplotlib'] = None"
+    proc = run_cli(["demo", "--steps", "2", "--out", str(out), "--device", "cpu", *FAST],
+                   prelude=hide, timeout=200)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pip install 'shardscale[ui]'" in proc.stdout
+    assert (out / "metrics.json").exists()
+    assert not (out / "training.png").exists()
+    assert "no plot: matplotlib is not installed" in proc.stdout
+
+
+def test_unknown_backend_fails_before_starting_processes(run_cli, tmp_path: Path) -> None:
+    out = tmp_path / "bad"
+    proc = run_cli(["demo", "--backend", "no-such-backend", "--out", str(out)], timeout=60)
+    assert proc.returncode == 2
+    assert "no backend named 'no-such-backend'" in proc.stderr and "local" in proc.stderr
+    assert not (out / "logs").exists()
+
+
+def test_mesh_that_does_not_fit_world_size_is_refused(run_cli, tmp_path: Path) -> None:
+    proc = run_cli(["demo", "--mesh", "2x2", "--world-size", "2", "--out", str(tmp_path)],
+                   timeout=60)  # fmt: skip
+    assert proc.returncode == 2
+    assert "needs 4 processes" in proc.stderr and "--world-size 4" in proc.stderr
+
+
+def test_bad_precision_is_refused_by_argparse(run_cli, tmp_path: Path) -> None:
+    proc = run_cli(["demo", "--precision", "fp8", "--out", str(tmp_path)], timeout=60)
+    assert proc.returncode == 2 and "fp8" in proc.stderr
+
+
+def test_cuda_without_gpu_is_refused_with_a_fix(run_cli, tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = run_cli(["demo", "--device", "cuda", "--out", str(tmp_path)], timeout=60)
+    assert proc.returncode == 2 and "--device cpu" in proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_demo_on_cuda_uses_nccl_and_the_gpu(run_cli, tmp_path: Path) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    out = tmp_path / "cuda"
+    proc = run_cli(["demo", "--device", "cuda", "--world-size", "1", "--steps", "10",
+                    "--out", str(out), *FAST], timeout=280)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "NCCL" in proc.stdout
+    metrics = _read(out / "metrics.json")
+    assert metrics["run"]["device"].startswith("cuda")
+    losses = [h["loss"] for h in metrics["history"]]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.4

@@ -1,0 +1,84 @@
+"""``shardscale doctor`` tells the truth about this machine and exits non-zero when broken."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from shardscale.cli._app import main
+from shardscale.cli._doctor import run_checks
+
+
+def _findings(stdout: str) -> list[dict[str, str]]:
+    data = json.loads(stdout)
+    assert data["ok"] is not any(f["status"] == "error" for f in data["findings"])
+    return list(data["findings"])
+
+
+def test_healthy_machine_exits_0_and_reports_torch_and_cuda(run_cli) -> None:
+    proc = run_cli(["doctor", "--json"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    findings = _findings(proc.stdout)
+    torch_f = next(f for f in findings if f["check"] == "torch")
+    assert torch_f["status"] == "ok" and torch.__version__ in torch_f["detail"]
+    cuda_f = next(f for f in findings if f["check"] == "cuda")
+    if torch.cuda.is_available():
+        assert cuda_f["status"] == "ok"
+        assert str(torch.cuda.device_count()) in cuda_f["detail"]
+    else:
+        assert cuda_f["status"] in ("info", "warn")
+        assert "GPU" in cuda_f["detail"] or "CUDA" in cuda_f["detail"]
+    launch = next(f for f in findings if f["check"] == "launch")
+    assert "not launched by torchrun" in launch["detail"]
+
+
+def test_text_output_says_nothing_is_broken(run_cli) -> None:
+    proc = run_cli(["doctor"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "nothing is broken" in proc.stdout
+    assert "[ok] torch" in proc.stdout  # rich markup must not swallow the status marks
+
+
+def test_half_set_launch_environment_is_an_error(run_cli) -> None:
+    proc = run_cli(["doctor", "--json"], env={"RANK": "0", "WORLD_SIZE": "2"})
+    assert proc.returncode == 1
+    launch = next(f for f in _findings(proc.stdout) if f["check"] == "launch")
+    assert launch["status"] == "error"
+    assert "MASTER_ADDR" in launch["detail"] and launch["fix"]
+
+
+def test_rank_outside_world_is_an_error(run_cli) -> None:
+    env = {"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    proc = run_cli(["doctor", "--json"], env=env)
+    assert proc.returncode == 1
+    launch = next(f for f in _findings(proc.stdout) if f["check"] == "launch")
+    assert "RANK=3" in launch["detail"]
+
+
+def test_plugin_that_fails_to_load_is_an_error_with_a_fix(run_cli, tmp_path: Path) -> None:
+    info = tmp_path / "shardscale_broken_doc-0.0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: shardscale-broken-doc\nVersion: 0.0.1\n"
+    )
+    (info / "entry_points.txt").write_text("[shardscale]\nbroken_doc = shardscale_no_such_module\n")
+    proc = run_cli(["doctor"], env={"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 1
+    assert "broken_doc" in proc.stdout and "SHARDSCALE_DISABLE_PLUGINS=broken_doc" in proc.stdout
+    assert "something is broken" in proc.stdout
+
+
+def test_unknown_backend_spec_is_an_error(capsys) -> None:
+    assert main(["doctor", "--json", "--backend", "no-such-backend"]) == 1
+    findings = _findings(capsys.readouterr().out)
+    bad = next(f for f in findings if f["check"] == "backend")
+    assert bad["status"] == "error" and "no-such-backend" in bad["detail"]
+    assert "local" in bad["detail"]  # the error lists what is installed
+
+
+def test_connect_without_torchrun_is_a_warning_not_a_hang() -> None:
+    findings = run_checks(connect=True)
+    pg = next(f for f in findings if f.check == "process group")
+    assert pg.status == "warn" and "torchrun" in pg.fix
