@@ -18,7 +18,9 @@ def main() -> None:
         ("shardscale", ShardedGradScaler("cpu", init_scale=2.0**14)),
     ):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)
+        )
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
         gen = torch.Generator().manual_seed(1)
         target_w = torch.randn(32, 1, generator=gen)
@@ -34,8 +36,14 @@ def main() -> None:
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
-        results[name] = (losses, scaler.get_scale(), [p.detach().clone() for p in model.parameters()])
-        print(f"{name:>22}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, final scale {scaler.get_scale():g}")
+        results[name] = (
+            losses,
+            scaler.get_scale(),
+            [p.detach().clone() for p in model.parameters()],
+        )
+        print(
+            f"{name:>22}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, final scale {scaler.get_scale():g}"
+        )
     (_, s_a, p_a), (_, s_b, p_b) = results.values()
     same = s_a == s_b and all(torch.equal(a, b) for a, b in zip(p_a, p_b, strict=True))
     print("identical parameters and scale:", same)

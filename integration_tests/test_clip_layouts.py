@@ -389,11 +389,9 @@ def train_case(
         if api == "fused":
             norm = unscale_and_clip_(scaler, opt, max_norm, norm_type)
         elif api == "streaming":
-            from shardscale.clip._fused import _unscale_and_clip
-
             assert stream is not None
             seen = len(stream._seen)
-            norm = _unscale_and_clip(scaler, opt, max_norm, norm_type, None, stats=stream)
+            norm = unscale_and_clip_(scaler, opt, max_norm, norm_type, stats=stream)
             out["hooked"].append((seen, stream.last_used))
         else:  # the drop-in after the scaler's own unscale_, on the scaler's backend
             scaler.unscale_(opt)

@@ -20,5 +20,12 @@ from __future__ import annotations
 from shardscale.clip._fused import unscale_and_clip_
 from shardscale.clip._loop_kernels import LoopKernels
 from shardscale.clip._norm import clip_grad_norm_, get_total_norm
+from shardscale.clip._streaming import StreamingStats
 
-__all__ = ["get_total_norm", "clip_grad_norm_", "unscale_and_clip_", "LoopKernels"]
+__all__ = [
+    "get_total_norm",
+    "clip_grad_norm_",
+    "unscale_and_clip_",
+    "StreamingStats",
+    "LoopKernels",
+]

@@ -213,7 +213,7 @@ def _count_syncs(post: Callable[[], None], device: str) -> int | None:
 def _run_config(cfg: BenchConfig, mesh_kind: str, opt_name: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from shardscale.clip._fused import _unscale_and_clip
+    from shardscale.clip import unscale_and_clip_
     from shardscale.clip._streaming import StreamingStats
     from shardscale.core import ShardedGradScaler
 
@@ -254,7 +254,7 @@ def _run_config(cfg: BenchConfig, mesh_kind: str, opt_name: str) -> dict[str, An
             )
 
             def our_post(arm: _Arm = arm, scaler: Any = oscaler, stream: Any = stream) -> None:
-                _unscale_and_clip(scaler, arm.opt, cfg.max_norm, 2.0, None, stats=stream)
+                unscale_and_clip_(scaler, arm.opt, cfg.max_norm, 2.0, stats=stream)
                 scaler.step(arm.opt)
                 scaler.update()
 
@@ -384,6 +384,11 @@ def _worker(rank: int, cfg: BenchConfig, store_path: str, result_path: str) -> N
                 json.dump(rows, fh)
     finally:
         dist.destroy_process_group()
+    # gloo's background threads sometimes abort interpreter shutdown ("terminate called without
+    # an active exception"); the results are on disk, so leave without running destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # -- the public entry points ----------------------------------------------------------------------

@@ -76,6 +76,8 @@ def unscale_and_clip_(
     max_norm: float,
     norm_type: float = 2.0,
     foreach: bool | None = None,
+    *,
+    stats: StreamingStats | None = None,
 ) -> torch.Tensor:
     """Do ``scaler.unscale_(optimizer)`` then ``clip_grad_norm_(params, max_norm)`` in one pass.
 
@@ -100,13 +102,17 @@ def unscale_and_clip_(
         norm_type: any p > 0, or ``float('inf')``.
         foreach: None: the scaler's kernels; True/False: the ``foreach``/``loop``
             kernels.
+        stats: optional :class:`StreamingStats` that already read each FSDP2
+            gradient in a post-accumulate-grad hook during backward, so only
+            the collective and the multiply remain here (see
+            [Note: streaming statistics]; docs/fused-step.md says when it pays).
 
     Returns:
         The true (unscaled) global norm as a 0-dim float32 tensor on the
         scale's device, identical on every rank; inf or nan when the step
         will be skipped. No host-device synchronisation happens here.
     """
-    return _unscale_and_clip(scaler, optimizer, max_norm, norm_type, foreach, stats=None)
+    return _unscale_and_clip(scaler, optimizer, max_norm, norm_type, foreach, stats=stats)
 
 
 def _unscale_and_clip(
@@ -118,11 +124,7 @@ def _unscale_and_clip(
     *,
     stats: StreamingStats | None,
 ) -> torch.Tensor:
-    """unscale_and_clip_, optionally with statistics streamed during backward (benchmark only).
-
-    See [Note: streaming statistics] in ``_streaming``: measured, not faster
-    end to end, so not part of the public API.
-    """
+    """unscale_and_clip_, optionally with statistics streamed during backward."""
     _check_call(scaler, optimizer)
     limit = check_max_norm(max_norm)
     p = check_norm_type(norm_type)

@@ -30,8 +30,10 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         "table, writes bench.json and a bench.png bar chart of the ratios to torch.",
     )
     p.add_argument("--world-size", type=int, default=2, help="processes (default 2)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per recipe")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--steps", type=int, default=5, help="timed whole training steps per recipe")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--repeats", type=int, default=15,
+                   help="timed post-processing repeats per step (the median is reported)")  # fmt: skip
     p.add_argument("--width", type=int, default=1024, help="model width")
     p.add_argument("--hidden", type=int, default=4096, help="MLP hidden size")
     p.add_argument("--blocks", type=int, default=4, help="residual MLP blocks")
@@ -96,13 +98,14 @@ def run_bench(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out_dir: Path = args.out.resolve()
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / BENCH_JSON
     print(f"shardscale bench: {args.world_size} processes on {device}; this takes a few minutes",
           file=out, flush=True)  # fmt: skip
     try:
         result = run_benchmark(
-            world_size=args.world_size, steps=args.steps, warmup=args.warmup, width=args.width,
+            world_size=args.world_size, steps=args.steps, warmup=args.warmup, repeats=args.repeats, width=args.width,
             hidden=args.hidden, blocks=args.blocks, batch=args.batch,
             meshes=[m for m in args.meshes.split(",") if m],
             optimizers=[o for o in args.optimizers.split(",") if o],
@@ -110,6 +113,8 @@ def run_bench(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
             threads_per_rank=args.threads_per_rank, json_path=json_path,
         )  # fmt: skip
     except ValueError as exc:
+        if created and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # bad arguments leave nothing behind
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_table(result), file=out)
