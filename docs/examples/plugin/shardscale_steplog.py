@@ -18,7 +18,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from shardscale.core import CollectiveBackend, Handle, ReduceOp, StepRecord, hookimpl
+from shardscale.core import (
+    CollectiveBackend,
+    Handle,
+    MiddlewareBase,
+    ReduceOp,
+    StepRecord,
+    hookimpl,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -30,13 +37,13 @@ __all__ = ["STEP_LOG", "StepLogMiddleware", "shardscale_middlewares", "shardscal
 STEP_LOG: list[str] = []
 
 
-class StepLogMiddleware:
-    """Forwards every call to the backend it wraps and records each reduction."""
+class StepLogMiddleware(MiddlewareBase):
+    """Records each reduction; MiddlewareBase forwards everything else to the wrapped backend."""
 
     name: ClassVar[str] = "steplog"
 
     def __init__(self, inner: CollectiveBackend) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.calls: list[tuple[str, int]] = []  # (op, number of elements)
 
     def all_reduce(
@@ -45,18 +52,6 @@ class StepLogMiddleware:
         """Record, then let the inner backend reduce."""
         self.calls.append((str(op), tensor.numel()))
         return self.inner.all_reduce(tensor, op=op, group=group)
-
-    def world_size(self, group: ProcessGroup | None) -> int:
-        """As the inner backend."""
-        return self.inner.world_size(group)
-
-    def rank(self, group: ProcessGroup | None) -> int:
-        """As the inner backend."""
-        return self.inner.rank(group)
-
-    def group_ranks(self, group: ProcessGroup | None) -> tuple[int, ...]:
-        """As the inner backend."""
-        return self.inner.group_ranks(group)
 
 
 @hookimpl
