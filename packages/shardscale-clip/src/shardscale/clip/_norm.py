@@ -69,6 +69,36 @@ def _device(buckets: GradBuckets, fallback: list[torch.Tensor]) -> torch.device:
     return torch.device("cpu")
 
 
+def _measure(
+    items: list[torch.Tensor],
+    norm_type: float,
+    *,
+    as_grads: bool,
+    foreach: bool | None,
+    process_group: ProcessGroup | None,
+    backend: str | CollectiveBackend | None,
+    distinct_dims: Iterable[str],
+    kernels: str | None,
+    registry: Registry | None,
+) -> tuple[torch.Tensor, GradBuckets, Registry, str | None]:
+    """The global norm of ``items`` (grads, or params whose grads count), and what computed it."""
+    reg = registry if registry is not None else get_registry()
+    be = reg.make_backend(backend)
+    ctx = pipe.adapter_context(be, process_group, distinct_dims)
+    name = pipe.kernels_name(foreach, kernels)
+    buckets = pipe.collect(items, ctx, reg, be, as_grads=as_grads)
+    norm = _global_norm(
+        buckets,
+        norm_type,
+        device=_device(buckets, items),
+        backend=be,
+        group=process_group,
+        registry=reg,
+        kernels=name,
+    )
+    return norm, buckets, reg, name
+
+
 def get_total_norm(
     tensors: TensorOrTensors,
     norm_type: float = 2.0,
@@ -111,20 +141,17 @@ def get_total_norm(
     """
     p = check_norm_type(norm_type)
     items = _as_list(tensors, "tensors")
-    reg = registry if registry is not None else get_registry()
-    be = reg.make_backend(backend)
-    ctx = pipe.adapter_context(be, process_group, distinct_dims)
-    name = pipe.kernels_name(foreach, kernels)
     with torch.no_grad():
-        buckets = pipe.collect(items, ctx, reg, be, as_grads=True)
-        norm = _global_norm(
-            buckets,
+        norm, _, _, _ = _measure(
+            items,
             p,
-            device=_device(buckets, items),
-            backend=be,
-            group=process_group,
-            registry=reg,
-            kernels=name,
+            as_grads=True,
+            foreach=foreach,
+            process_group=process_group,
+            backend=backend,
+            distinct_dims=distinct_dims,
+            kernels=kernels,
+            registry=registry,
         )
     if error_if_nonfinite and not bool(torch.isfinite(norm)):
         raise _nonfinite_error(p)
@@ -159,20 +186,17 @@ def clip_grad_norm_(
     limit = check_max_norm(max_norm)
     p = check_norm_type(norm_type)
     params = _as_list(parameters, "parameters")
-    reg = registry if registry is not None else get_registry()
-    be = reg.make_backend(backend)
-    ctx = pipe.adapter_context(be, process_group, distinct_dims)
-    name = pipe.kernels_name(foreach, kernels)
     with torch.no_grad():
-        buckets = pipe.collect(params, ctx, reg, be, as_grads=False)
-        norm = _global_norm(
-            buckets,
+        norm, buckets, reg, name = _measure(
+            params,
             p,
-            device=_device(buckets, params),
-            backend=be,
-            group=process_group,
-            registry=reg,
-            kernels=name,
+            as_grads=False,
+            foreach=foreach,
+            process_group=process_group,
+            backend=backend,
+            distinct_dims=distinct_dims,
+            kernels=kernels,
+            registry=registry,
         )
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
             raise _nonfinite_error(p)
