@@ -105,6 +105,8 @@ class _Item:
 @dataclass(slots=True)
 class _Catalog:
     by_kind: dict[str, list[_Item]] = field(default_factory=dict)
+    # Adapters are consulted once per parameter per step: sort them once per catalog.
+    adapters_by_priority: list[GradAdapter] | None = None
 
 
 def _blocked_names() -> frozenset[str]:
@@ -384,12 +386,19 @@ class Registry:
 
     def adapters(self) -> list[GradAdapter]:
         """Every grad adapter, highest priority first."""
-        items = self._collect().by_kind.get("adapter", [])
-        return [it.obj for it in sorted(items, key=lambda it: -int(it.obj.priority))]
+        catalog = self._collect()
+        if catalog.adapters_by_priority is None:
+            items = catalog.by_kind.get("adapter", [])
+            ranked = sorted(items, key=lambda it: -int(it.obj.priority))
+            catalog.adapters_by_priority = [it.obj for it in ranked]
+        return list(catalog.adapters_by_priority)
 
     def adapter_for(self, param: torch.Tensor) -> GradAdapter:
         """The adapter that describes ``param``'s gradient."""
-        for adapter in self.adapters():
+        catalog = self._collect()
+        if catalog.adapters_by_priority is None:
+            self.adapters()
+        for adapter in catalog.adapters_by_priority or ():
             if adapter.claims(param):
                 return adapter
         raise PluginNotFoundError(
