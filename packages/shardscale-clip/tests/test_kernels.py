@@ -46,7 +46,9 @@ def test_loop_kernels_unscale_and_mul() -> None:
 def test_plugin_registers_loop_kernels_below_foreach() -> None:
     registry = get_registry()
     assert "loop" in registry.names("kernels")
-    assert registry.kernels_for(torch.device("cpu")).name == "foreach"
+    # On the CPU the dot-product kernels outrank foreach; loop is never automatic.
+    assert registry.kernels_for(torch.device("cpu")).name == "blas-dot"
+    assert registry.kernels_for(torch.device("meta")).name == "foreach"
     assert registry.kernels_for(torch.device("cpu"), "loop").name == "loop"
     info = [i for i in registry.items() if i.kind == "kernels" and i.name == "loop"]
     assert info and info[0].distribution == "shardscale-clip"
@@ -110,3 +112,45 @@ def test_every_read_and_multiply_goes_through_the_chosen_kernels() -> None:
         assert (plugin.kernels.reads, plugin.kernels.muls) == (4 * n_params, 2 * n_params)
     finally:
         registry.unregister(name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_blas_dot_two_norm_matches_foreach(dtype: torch.dtype) -> None:
+    from shardscale.clip import BlasDotKernels
+
+    gen = torch.Generator().manual_seed(7)
+    ts = [torch.randn(n, generator=gen).to(dtype) * 300 for n in (0, 1, 17, 4096, 70001)]
+    ts.append(torch.randn(33, 9, generator=gen).to(dtype).t())  # non-contiguous
+    got = BlasDotKernels().partial_norm(ts, 2.0)
+    want = torch.stack([t.double().pow(2).sum() for t in ts]).sum()
+    assert got.dtype is torch.float32 and got.shape == ()
+    assert torch.allclose(got.double(), want, rtol=1e-6)
+    assert torch.allclose(got, ForeachKernels().partial_norm(ts, 2.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_blas_dot_keeps_the_overflow_signal(bad: float) -> None:
+    from shardscale.clip import BlasDotKernels
+
+    ts = [torch.ones(10), torch.tensor([1.0, bad, 2.0])]
+    assert not bool(torch.isfinite(BlasDotKernels().partial_norm(ts, 2.0)))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "p"),
+    [
+        (torch.float16, 2.0),
+        (torch.bfloat16, 2.0),
+        (torch.float32, 1.0),
+        (torch.float32, 3.0),
+        (torch.float32, math.inf),
+    ],
+)
+def test_blas_dot_defers_to_foreach_elsewhere(dtype: torch.dtype, p: float) -> None:
+    from shardscale.clip import BlasDotKernels
+
+    gen = torch.Generator().manual_seed(3)
+    ts = [torch.randn(n, generator=gen).to(dtype) for n in (5, 300)]
+    assert torch.equal(BlasDotKernels().partial_norm(ts, p), ForeachKernels().partial_norm(ts, p))
+    assert BlasDotKernels().supports(torch.device("cpu"))
+    assert not BlasDotKernels().supports(torch.device("cuda"))

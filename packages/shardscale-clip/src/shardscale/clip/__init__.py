@@ -17,6 +17,7 @@ DDP, tensor-parallel and multi-mesh models.
 
 from __future__ import annotations
 
+from shardscale.clip._blas_kernels import BlasDotKernels
 from shardscale.clip._fused import unscale_and_clip_
 from shardscale.clip._loop_kernels import LoopKernels
 from shardscale.clip._norm import clip_grad_norm_, get_total_norm
@@ -28,4 +29,5 @@ __all__ = [
     "unscale_and_clip_",
     "StreamingStats",
     "LoopKernels",
+    "BlasDotKernels",
 ]

@@ -1,9 +1,10 @@
-"""shardscale-clip's plugin: the per-tensor ``loop`` stats kernels (``foreach=False``)."""
+"""shardscale-clip's plugin: the ``loop`` (``foreach=False``) and CPU ``blas-dot`` stats kernels."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shardscale.clip._blas_kernels import BlasDotKernels
 from shardscale.clip._loop_kernels import LoopKernels
 from shardscale.core import hookimpl
 
@@ -12,5 +13,5 @@ __all__ = ["shardscale_stats_kernels"]
 
 @hookimpl
 def shardscale_stats_kernels() -> Sequence[object]:
-    """The ``loop`` kernels (never chosen automatically)."""
-    return [LoopKernels()]
+    """``loop`` (never chosen automatically) and ``blas-dot`` (chosen on the CPU)."""
+    return [LoopKernels(), BlasDotKernels()]
