@@ -154,3 +154,14 @@ def test_blas_dot_defers_to_foreach_elsewhere(dtype: torch.dtype, p: float) -> N
     assert torch.equal(BlasDotKernels().partial_norm(ts, p), ForeachKernels().partial_norm(ts, p))
     assert BlasDotKernels().supports(torch.device("cpu"))
     assert not BlasDotKernels().supports(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, math.inf])
+def test_loop_kernels_skip_empty_shards_like_foreach(p: float) -> None:
+    # Uneven FSDP sharding leaves zero-size local grads; torch's inf-norm rejects them alone.
+    ts = [torch.zeros(0), torch.tensor([3.0, -4.0]), torch.zeros(0, 5)]
+    got = LoopKernels().partial_norm(ts, p)
+    assert torch.equal(got, ForeachKernels().partial_norm(ts, p))
+    want = 4.0 if math.isinf(p) else 3.0**p + 4.0**p
+    assert got.item() == pytest.approx(want)
+    assert LoopKernels().partial_norm([torch.zeros(0)], p).item() == 0.0

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 
+from shardscale.core import ForeachKernels
+
 __all__ = ["LoopKernels"]
 
 
-class LoopKernels:
+class LoopKernels(ForeachKernels):
     """Per-tensor kernels for devices or tensors where multi-tensor ops are unwanted.
 
     Never chosen automatically (negative priority): ``foreach=False`` or
@@ -22,11 +23,6 @@ class LoopKernels:
     name: ClassVar[str] = "loop"
     priority: ClassVar[int] = -10
 
-    def supports(self, device: torch.device) -> bool:
-        """Plain tensor ops run on every device."""
-        del device
-        return True
-
     def unscale_and_check_(
         self, tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
     ) -> None:
@@ -34,20 +30,11 @@ class LoopKernels:
         for t in tensors:
             torch._amp_foreach_non_finite_check_and_unscale_([t], found_inf, inv_scale)
 
-    def partial_norm(self, tensors: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-        """Σ|x|^p (finite p) or max|x| (inf) over every element, as float32."""
-        if not tensors:
-            return torch.zeros((), dtype=torch.float32)
-        # At least float32 accumulation: fp16 sums overflow long before fp32 ones.
-        acc = torch.float64 if tensors[0].dtype is torch.float64 else torch.float32
-        norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=acc) for t in tensors])
-        if math.isinf(norm_type):
-            total = norms.max()
-        elif norm_type == 1.0:
-            total = norms.sum()
-        else:
-            total = norms.pow(norm_type).sum()
-        return total.to(torch.float32)
+    def _tensor_norms(
+        self, tensors: Sequence[torch.Tensor], norm_type: float, dtype: torch.dtype
+    ) -> list[torch.Tensor]:
+        """One ``vector_norm`` per tensor; the combining is the foreach kernels' own."""
+        return [torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in tensors]
 
     def mul_(self, tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
         """Multiply every tensor in place by the 0-dim ``coef``."""

@@ -45,7 +45,7 @@ class ForeachKernels:
             return torch.zeros((), dtype=torch.float32, device=device)
         # Reduce in float32 at least: fp16 sums overflow long before fp32 ones (float64 stays).
         acc = torch.float64 if tensors[0].dtype is torch.float64 else torch.float32
-        stacked = torch.stack(torch._foreach_norm(list(tensors), norm_type, dtype=acc))
+        stacked = torch.stack(self._tensor_norms(tensors, norm_type, acc))
         if math.isinf(norm_type):
             total = stacked.max()
         elif norm_type == 1.0:
@@ -54,6 +54,12 @@ class ForeachKernels:
             # Σ_t ||t||_p^p: each norm is raised back to p so partials add across tensors and ranks.
             total = stacked.pow(norm_type).sum()
         return total.to(device=device, dtype=torch.float32)
+
+    def _tensor_norms(
+        self, tensors: Sequence[torch.Tensor], norm_type: float, dtype: torch.dtype
+    ) -> list[torch.Tensor]:
+        """Each (non-empty) tensor's p-norm in ``dtype``; subclasses change only how."""
+        return list(torch._foreach_norm(list(tensors), norm_type, dtype=dtype))
 
     def mul_(self, tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
         """Multiply every tensor in place by the 0-dim ``coef``."""
