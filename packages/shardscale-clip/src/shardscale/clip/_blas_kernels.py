@@ -39,14 +39,14 @@ class BlasDotKernels(ForeachKernels):
         """CPU only."""
         return device.type == "cpu"
 
-    def partial_norm(self, tensors: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-        """Σ g² by dot products for float32/float64 with p = 2, else as ``foreach``."""
-        if norm_type != 2.0 or not tensors or any(t.dtype not in _DOT_DTYPES for t in tensors):
-            return super().partial_norm(tensors, norm_type)
-        # Accumulate the per-tensor sums in float64: many tensors, one rounding at the end.
-        total = torch.zeros((), dtype=torch.float64, device=tensors[0].device)
+    def _tensor_norms(
+        self, tensors: Sequence[torch.Tensor], norm_type: float, dtype: torch.dtype
+    ) -> list[torch.Tensor]:
+        """‖g‖₂ as the root of a BLAS dot product for float32/float64 on the CPU, else as foreach."""
+        if norm_type != 2.0 or any(t.dtype not in _DOT_DTYPES for t in tensors):
+            return super()._tensor_norms(tensors, norm_type, dtype)
+        out = []
         for t in tensors:
-            if t.numel():
-                flat = t.reshape(-1)
-                total += torch.dot(flat, flat).to(torch.float64)
-        return total.to(torch.float32)
+            flat = t.reshape(-1)
+            out.append(torch.dot(flat, flat).to(dtype).sqrt())
+        return out

@@ -4,33 +4,31 @@
 torch's recipe ``scaler.unscale_(opt); clip_grad_norm_(params, max_norm)`` makes
 three passes over gradient memory (unscale R+W, norm R, clip R+W) and at least
 two collectives (overflow flag, norm). Here the *still scaled* gradients are
-read once: Σ|s·g|^p and a non-finite flag go through ONE all-reduce, then
+read once by the step engine (``shardscale.core.run_step``): per-tensor norms
+and a non-finite flag over every local gradient go through ONE all-reduce, then
 
-* norm = (Σ|s·g|^p)^(1/p) / s, coef = min(1, max_norm / (norm + 1e-6));
+* norm = ‖s·g‖_p / s, coef = min(1, max_norm / (norm + 1e-6));
 * an ordinary optimizer gets every local gradient multiplied once by coef / s
   (one R+W pass) and steps on what torch's recipe would have given it;
 * an optimizer with ``_step_supports_amp_scaling`` (fused Adam/AdamW/SGD)
   gets nothing multiplied: ``scaler.step()`` hands it grad_scale = s / coef
   and found_inf, and it divides inside its own kernel.
 
-On overflow (any rank's flag) coef is forced to 1, so the gradients end as
-torch's unscale_ leaves them, the optimizer skips the step, the scale backs
-off in ``update()``, and the returned norm is inf or nan: never a silent nan
-in the weights.
+On overflow (any non-finite gradient on any rank, counted or not) coef is 1,
+so the gradients end as torch's unscale_ leaves them, the optimizer skips the
+step, the scale backs off in ``update()``, and the returned norm is inf or
+nan: never a silent nan in the weights. This module only validates; the step
+itself is ``ShardedGradScaler.unscale_(optimizer, max_norm=...)``.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import torch
 
-from shardscale.clip import _pipeline as pipe
 from shardscale.clip._norm import clip_grad_norm_
 from shardscale.clip._streaming import StreamingStats
-from shardscale.clip._validate import check_max_norm, check_norm_type
-from shardscale.core import OptState, Registry, ShardedGradScaler, optimizer_params
+from shardscale.clip._validate import check_max_norm, check_norm_type, kernels_name
+from shardscale.core import ShardedGradScaler, optimizer_params
 
 __all__ = ["unscale_and_clip_"]
 
@@ -46,28 +44,6 @@ def _check_call(scaler: object, optimizer: object) -> None:
         raise TypeError(
             f"unscale_and_clip_ takes a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-
-
-def _streamed_partial(
-    stats: StreamingStats,
-    counted: Any,
-    p: float,
-    registry: Registry,
-    kernels: str | None,
-    device: torch.device,
-) -> torch.Tensor:
-    if stats.norm_type != p:
-        raise ValueError(
-            f"the StreamingStats were computed for norm_type={stats.norm_type}, but "
-            f"unscale_and_clip_ was asked for norm_type={p}; build them with the same norm_type"
-        )
-    remaining, partials = stats.split(counted)
-    rest = pipe.local_partial(remaining, p, registry, kernels, device)
-    streamed = stats.combine(partials, device)
-    if streamed is None:
-        return rest
-    both = torch.stack([rest, streamed])
-    return both.max() if math.isinf(p) else both.sum()
 
 
 def unscale_and_clip_(
@@ -108,81 +84,33 @@ def unscale_and_clip_(
             [Note: streaming statistics]; docs/fused-step.md says when it pays).
 
     Returns:
-        The true (unscaled) global norm as a 0-dim float32 tensor on the
-        scale's device, identical on every rank; inf or nan when the step
-        will be skipped. No host-device synchronisation happens here.
+        The true (unscaled) global norm as a 0-dim tensor on the scale's device
+        (float64 if any gradient is float64, else float32), identical on every
+        rank; inf or nan when the step will be skipped. No host-device
+        synchronisation happens here.
     """
-    return _unscale_and_clip(scaler, optimizer, max_norm, norm_type, foreach, stats=stats)
-
-
-def _unscale_and_clip(
-    scaler: ShardedGradScaler,
-    optimizer: torch.optim.Optimizer,
-    max_norm: float,
-    norm_type: float,
-    foreach: bool | None,
-    *,
-    stats: StreamingStats | None,
-) -> torch.Tensor:
-    """unscale_and_clip_, optionally with statistics streamed during backward."""
     _check_call(scaler, optimizer)
     limit = check_max_norm(max_norm)
     p = check_norm_type(norm_type)
-    name = pipe.kernels_name(foreach, scaler._kernels_name)
+    config = scaler.step_config
+    name = kernels_name(foreach, config.kernels)
+    if stats is not None and stats.norm_type != p:
+        raise ValueError(
+            f"the StreamingStats were computed for norm_type={stats.norm_type}, but "
+            f"unscale_and_clip_ was asked for norm_type={p}; build them with the same norm_type"
+        )
     if not scaler.is_enabled():
         # Nothing is scaled: this is plain clipping with the scaler's group and backend.
         return clip_grad_norm_(
             list(optimizer_params(optimizer)),
             limit,
             p,
-            process_group=scaler.process_group,
-            backend=scaler.backend,
-            distinct_dims=scaler._distinct_dims,
+            process_group=config.group,
+            backend=config.backend,
+            distinct_dims=config.distinct_dims,
             kernels=name,
-            registry=scaler._reg(),
+            registry=config.registry,
         )
-    scale = scaler._scale
-    if scale is None:
-        raise RuntimeError(
-            "unscale_and_clip_() was called before the scale exists: call "
-            "scaler.scale(loss).backward() earlier in the iteration."
-        )
-    stage = scaler._opt_state(optimizer).stage
-    if stage is not OptState.READY:
-        raise RuntimeError(
-            f"this optimizer was already {stage.name.lower()} in this iteration (unscale_, "
-            "unscale_and_clip_ or step ran); call unscale_and_clip_ once per optimizer, "
-            "before scaler.step(optimizer), and call scaler.update() to start the next iteration."
-        )
-    registry = scaler._reg()
-    backend = scaler.backend
-    group = scaler.process_group
-    with torch.no_grad():
-        buckets = pipe.collect(
-            optimizer_params(optimizer),
-            scaler._adapter_context(),
-            registry,
-            backend,
-            as_grads=False,
-        )
-        if stats is None:
-            partial = pipe.local_partial(buckets.counted, p, registry, name, scale.device)
-        else:
-            partial = _streamed_partial(stats, buckets.counted, p, registry, name, scale.device)
-        reduced = pipe.reduce_partial(partial, p, backend, group)
-        found_inf = reduced.nonfinite.to(torch.float32)  # exactly 0 or 1: fused kernels test == 1
-        inv_scale = scale.double().reciprocal().float()
-        norm = pipe.root(reduced.partial, p) * inv_scale
-        coef = torch.where(
-            reduced.nonfinite,
-            torch.ones_like(norm),
-            pipe.clip_coefficient(norm, limit),
-        )
-        # Make the reported norm non-finite whenever the step will be skipped.
-        reported = norm + torch.where(reduced.nonfinite, math.inf, 0.0)
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            scaler._mark_unscaled(optimizer, found_inf, grad_scale=scale / coef, grad_norm=reported)
-        else:
-            pipe.multiply_(buckets.every, coef * inv_scale, registry, name)
-            scaler._mark_unscaled(optimizer, found_inf, grad_norm=reported)
-    return reported
+    norm = scaler.unscale_(optimizer, max_norm=limit, norm_type=p, kernels=name, stats=stats)
+    assert norm is not None
+    return norm

@@ -1,8 +1,12 @@
-"""Drop-ins for ``torch.nn.utils.get_total_norm`` and ``clip_grad_norm_`` on sharded gradients."""
+"""Drop-ins for ``torch.nn.utils.get_total_norm`` and ``clip_grad_norm_`` on sharded gradients.
+
+Both are thin callers of the step engine (``shardscale.core.run_step``): one
+read of every local gradient, ONE all-reduce, then (for ``clip_grad_norm_``)
+one in-place multiply.
+"""
 
 from __future__ import annotations
 
-import math
 import types
 import warnings
 from collections.abc import Iterable
@@ -10,9 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardscale.clip import _pipeline as pipe
-from shardscale.clip._validate import check_max_norm, check_norm_type
-from shardscale.core import CollectiveBackend, GradBuckets, Registry, get_registry
+from shardscale.clip._validate import check_max_norm, check_norm_type, kernels_name
+from shardscale.core import Apply, CollectiveBackend, Registry, StepConfig, get_registry, run_step
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -42,61 +45,41 @@ def _nonfinite_error(norm_type: float) -> RuntimeError:
     )
 
 
-def _global_norm(
-    buckets: GradBuckets,
-    norm_type: float,
+def _config(
     *,
-    device: torch.device,
-    backend: CollectiveBackend,
-    group: ProcessGroup | None,
-    registry: Registry,
-    kernels: str | None,
-) -> torch.Tensor:
-    partial = pipe.local_partial(buckets.counted, norm_type, registry, kernels, device)
-    reduced = pipe.reduce_partial(partial, norm_type, backend, group)
-    norm = pipe.root(reduced.partial, norm_type)
-    # A MAX reduction may have dropped a nan: the flag says the norm is not a number.
-    return torch.where(
-        reduced.nonfinite & torch.isfinite(norm), torch.full_like(norm, math.nan), norm
-    )
-
-
-def _device(buckets: GradBuckets, fallback: list[torch.Tensor]) -> torch.device:
-    for device in buckets.devices():
-        return device
-    for t in fallback:
-        return t.device
-    return torch.device("cpu")
-
-
-def _measure(
-    items: list[torch.Tensor],
-    norm_type: float,
-    *,
-    as_grads: bool,
     foreach: bool | None,
     process_group: ProcessGroup | None,
     backend: str | CollectiveBackend | None,
     distinct_dims: Iterable[str],
     kernels: str | None,
     registry: Registry | None,
-) -> tuple[torch.Tensor, GradBuckets, Registry, str | None]:
-    """The global norm of ``items`` (grads, or params whose grads count), and what computed it."""
+) -> StepConfig:
+    if isinstance(distinct_dims, str):
+        raise TypeError(
+            f"distinct_dims takes an iterable of mesh dimension names, got the string "
+            f"{distinct_dims!r}; write distinct_dims=({distinct_dims!r},)"
+        )
     reg = registry if registry is not None else get_registry()
-    be = reg.make_backend(backend)
-    ctx = pipe.adapter_context(be, process_group, distinct_dims)
-    name = pipe.kernels_name(foreach, kernels)
-    buckets = pipe.collect(items, ctx, reg, be, as_grads=as_grads)
-    norm = _global_norm(
-        buckets,
-        norm_type,
-        device=_device(buckets, items),
-        backend=be,
-        group=process_group,
+    return StepConfig(
+        backend=reg.make_backend(backend),
         registry=reg,
-        kernels=name,
+        group=process_group,
+        kernels=kernels_name(foreach, kernels),
+        distinct_dims=frozenset(distinct_dims),
     )
-    return norm, buckets, reg, name
+
+
+def _warn_if_no_grads(items: list[torch.Tensor], *, as_grads: bool) -> None:
+    # As FSDP1's clip_grad_norm_ does: a rank without gradients still joins the reduction.
+    if not as_grads and items and all(getattr(p, "grad", None) is None for p in items):
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        warnings.warn(
+            f"clip_grad_norm_ was called on rank {rank} with no gradients; it still joins the "
+            "reduction and returns the global norm of the other ranks' gradients.",
+            stacklevel=3,
+        )
 
 
 def get_total_norm(
@@ -115,19 +98,23 @@ def get_total_norm(
 
     A drop-in for :func:`torch.nn.utils.get_total_norm` that understands every
     layout an installed adapter knows (DTensor shards and replicas, FSDP1 flat
-    parameters, plain tensors): each rank sums ``|g|^p`` over the parts it counts,
-    and ONE all-reduce over ``process_group`` gives the exact global value.
+    parameters, plain tensors): each rank reads the parts it counts, and ONE
+    all-reduce over ``process_group`` gives the exact global value.
 
-    Returns a plain 0-dim float32 tensor (never a DTensor) with the same value
-    on every rank, on the device of the first gradient. Plain tensors are taken
-    to be replicated over the group (DDP); pass ``distinct_dims=("*",)`` when
-    each rank holds different ones. FSDP1 gradients are only recognised through
-    their parameters: use :func:`clip_grad_norm_` for them.
+    Returns a plain 0-dim tensor (never a DTensor) with the same value on every
+    rank, on the device of the first gradient: float64 when any gradient is
+    float64 (as torch), else float32 (torch returns float16/bfloat16 for
+    half-precision gradients, which overflows at 65504; see docs/migration.md).
+    Plain tensors are taken to be replicated over the group (DDP); pass
+    ``distinct_dims=("*",)`` when each rank holds different ones. FSDP1
+    gradients are only recognised through their parameters: use
+    :func:`clip_grad_norm_` for them.
 
     Args:
         tensors: a tensor or an iterable of tensors (the gradients).
         norm_type: any p > 0, or ``float('inf')``.
-        error_if_nonfinite: raise if the total norm is inf or nan (costs a host sync).
+        error_if_nonfinite: raise if the total norm is inf or nan (costs a host
+            sync); every rank raises, since every rank sees the same norm.
         foreach: None picks the best kernels for the device, True the
             multi-tensor ``foreach`` kernels, False the per-tensor ``loop`` ones.
         process_group: the reduction group (default: the default group). It must
@@ -141,21 +128,24 @@ def get_total_norm(
     """
     p = check_norm_type(norm_type)
     items = _as_list(tensors, "tensors")
-    with torch.no_grad():
-        norm, _, _, _ = _measure(
-            items,
-            p,
-            as_grads=True,
-            foreach=foreach,
-            process_group=process_group,
-            backend=backend,
-            distinct_dims=distinct_dims,
-            kernels=kernels,
-            registry=registry,
-        )
-    if error_if_nonfinite and not bool(torch.isfinite(norm)):
-        raise _nonfinite_error(p)
-    return norm
+    config = _config(
+        foreach=foreach,
+        process_group=process_group,
+        backend=backend,
+        distinct_dims=distinct_dims,
+        kernels=kernels,
+        registry=registry,
+    )
+    result = run_step(
+        items,
+        config,
+        apply=Apply.NOTHING,
+        norm_type=p,
+        as_grads=True,
+        nonfinite_error=_nonfinite_error(p) if error_if_nonfinite else None,
+    )
+    assert result.norm is not None
+    return result.norm
 
 
 def clip_grad_norm_(
@@ -174,32 +164,35 @@ def clip_grad_norm_(
     """Clip the global gradient norm of ``parameters`` in place; return that norm.
 
     A drop-in for :func:`torch.nn.utils.clip_grad_norm_` for sharded models:
-    one read of the gradients each rank counts, ONE all-reduce, then every
-    local gradient is multiplied once by ``min(1, max_norm / (norm + 1e-6))``.
+    one read of every local gradient, ONE all-reduce, then every local
+    gradient is multiplied once by ``min(1, max_norm / (norm + 1e-6))``.
     With ``max_norm=inf`` nothing is multiplied and only the norm is computed.
 
-    Returns a plain 0-dim float32 tensor, identical on every rank. Arguments
-    are those of :func:`get_total_norm` plus ``max_norm`` (a number > 0, or
-    ``float('inf')``). With ``error_if_nonfinite`` a non-finite norm raises
-    before any gradient changes.
+    Returns a plain 0-dim tensor, identical on every rank (dtype as
+    :func:`get_total_norm`). Arguments are those of :func:`get_total_norm`
+    plus ``max_norm`` (a number > 0, or ``float('inf')``). With
+    ``error_if_nonfinite`` a non-finite gradient on *any* rank, counted in
+    the norm or not, makes every rank raise before any gradient changes.
     """
     limit = check_max_norm(max_norm)
     p = check_norm_type(norm_type)
     params = _as_list(parameters, "parameters")
-    with torch.no_grad():
-        norm, buckets, reg, name = _measure(
-            params,
-            p,
-            as_grads=False,
-            foreach=foreach,
-            process_group=process_group,
-            backend=backend,
-            distinct_dims=distinct_dims,
-            kernels=kernels,
-            registry=registry,
-        )
-        if error_if_nonfinite and not bool(torch.isfinite(norm)):
-            raise _nonfinite_error(p)
-        if not math.isinf(limit):
-            pipe.multiply_(buckets.every, pipe.clip_coefficient(norm, limit), reg, name)
-    return norm
+    config = _config(
+        foreach=foreach,
+        process_group=process_group,
+        backend=backend,
+        distinct_dims=distinct_dims,
+        kernels=kernels,
+        registry=registry,
+    )
+    _warn_if_no_grads(params, as_grads=False)
+    result = run_step(
+        params,
+        config,
+        apply=Apply.MULTIPLY,
+        norm_type=p,
+        max_norm=limit,
+        nonfinite_error=_nonfinite_error(p) if error_if_nonfinite else None,
+    )
+    assert result.norm is not None
+    return result.norm

@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-__all__ = ["check_max_norm", "check_norm_type"]
+__all__ = ["check_max_norm", "check_norm_type", "kernels_name"]
 
 
 def _as_float(value: object, what: str) -> float:
@@ -58,3 +58,17 @@ def check_max_norm(max_norm: object) -> float:
             f"got {max_norm!r}"
         )
     return value
+
+
+def kernels_name(foreach: bool | None, kernels: str | None) -> str | None:
+    """Which stats kernels to ask the registry for (``None``: the best for the device).
+
+    An explicit ``foreach`` wins over a scaler's configured kernels, as it is
+    the more specific request: True means the multi-tensor kernels, False the
+    per-tensor loop.
+    """
+    if foreach is None:
+        return kernels
+    if not isinstance(foreach, bool):
+        raise TypeError(f"foreach must be True, False or None, got {foreach!r}")
+    return "foreach" if foreach else "loop"

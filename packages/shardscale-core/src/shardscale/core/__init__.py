@@ -26,6 +26,7 @@ from shardscale.core._gradients import GradBuckets, collect_grads, optimizer_par
 from shardscale.core._hookspecs import ENTRY_POINT_GROUP, HOOK_KINDS, PROJECT, hookimpl
 from shardscale.core._local import LocalBackend
 from shardscale.core._middleware_base import MiddlewareBase
+from shardscale.core._overflow import OverflowReport
 from shardscale.core._plain_adapter import PlainTensorAdapter
 from shardscale.core._protocols import (
     AdapterContext,
@@ -51,11 +52,33 @@ from shardscale.core._registry import (
     reset_registry,
 )
 from shardscale.core._scaler import OptState, ScalerStateError, ShardedGradScaler
+from shardscale.core._step_engine import (
+    EPS,
+    Apply,
+    PrecomputedNorms,
+    StepConfig,
+    StepError,
+    StepResult,
+    poll_errors,
+    read_tensor_norm,
+    run_step,
+)
 
 __all__ = [
     # the scaler
     "ShardedGradScaler",
     "OptState",
+    "OverflowReport",
+    # the step engine every caller goes through
+    "run_step",
+    "StepConfig",
+    "StepResult",
+    "StepError",
+    "Apply",
+    "PrecomputedNorms",
+    "read_tensor_norm",
+    "poll_errors",
+    "EPS",
     # registry
     "Registry",
     "get_registry",

@@ -30,11 +30,27 @@ class GradBuckets:
 
     ``every`` holds every local tensor (each must be unscaled/clipped);
     ``counted`` only those whose copy on this rank contributes to global sums.
+    ``owners`` and ``counts_mask`` run parallel to ``every``: the parameter
+    each tensor belongs to, and whether it is in ``counted``.
     """
 
     every: dict[_Key, list[torch.Tensor]] = field(default_factory=dict)
     counted: dict[_Key, list[torch.Tensor]] = field(default_factory=dict)
+    owners: dict[_Key, list[torch.Tensor]] = field(default_factory=dict)
+    counts_mask: dict[_Key, list[bool]] = field(default_factory=dict)
     count: int = 0
+
+    def params(self) -> list[torch.Tensor]:
+        """Every parameter (or gradient) that contributed a local tensor."""
+        return [p for owners in self.owners.values() for p in owners]
+
+    def owner_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, local tensor) pairs in bucket order, the order the engine reads them."""
+        return [
+            (owner, t)
+            for key, tensors in self.every.items()
+            for owner, t in zip(self.owners[key], tensors, strict=True)
+        ]
 
     def devices(self) -> list[torch.device]:
         """Devices that hold at least one local gradient, in first-seen order."""
@@ -105,6 +121,8 @@ def collect_grads(
             )
         key = (local.device, local.dtype)
         buckets.every.setdefault(key, []).append(local)
+        buckets.owners.setdefault(key, []).append(param)
+        buckets.counts_mask.setdefault(key, []).append(bool(counts))
         if counts:
             buckets.counted.setdefault(key, []).append(local)
         buckets.count += 1

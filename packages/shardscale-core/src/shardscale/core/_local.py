@@ -28,6 +28,18 @@ class LocalBackend:
     ) -> Handle:
         """Return at once: the local value already is the global one."""
         del tensor, op
+        import torch.distributed as dist
+
+        if group is None and dist.is_available() and dist.is_initialized():
+            if dist.get_world_size() > 1:
+                from shardscale.core._errors import BackendUnavailableError
+
+                raise BackendUnavailableError(
+                    f"the 'local' backend was chosen (backend='local' or $SHARDSCALE_BACKEND) in a "
+                    f"run of {dist.get_world_size()} ranks: it reduces nothing, so ranks would "
+                    "decide differently and diverge. Use 'c10d' (pip install "
+                    "shardscale-collectives), or leave the backend unset."
+                )
         if self.world_size(group) != 1:
             from shardscale.core._errors import BackendUnavailableError
 

@@ -8,7 +8,12 @@ import torch
 
 from shardscale.core._protocols import AdapterContext, GradShard
 
-__all__ = ["PlainTensorAdapter"]
+__all__ = ["PlainTensorAdapter", "is_fsdp1_param"]
+
+
+def is_fsdp1_param(param: torch.Tensor) -> bool:
+    """Whether FSDP1 manages ``param`` (a ``FlatParameter``, or an original parameter of one)."""
+    return bool(getattr(param, "_fsdp_flattened", False)) or type(param).__name__ == "FlatParameter"
 
 
 class PlainTensorAdapter:
@@ -25,7 +30,14 @@ class PlainTensorAdapter:
     priority: ClassVar[int] = 0
 
     def claims(self, param: torch.Tensor) -> bool:
-        """Plain tensors (exact ``torch.Tensor`` or ``nn.Parameter``), not subclasses like DTensor."""
+        """Plain tensors (exact ``torch.Tensor`` or ``nn.Parameter``), not subclasses like DTensor.
+
+        FSDP1's parameters look plain but each rank holds a different shard:
+        claiming them would count one shard as the whole gradient, so they are
+        left to the FSDP1 adapter (``pip install shardscale-fsdp``).
+        """
+        if is_fsdp1_param(param):
+            return False
         return type(param) in (torch.Tensor, torch.nn.Parameter) or (
             isinstance(param, torch.nn.Parameter) and type(param.data) is torch.Tensor
         )

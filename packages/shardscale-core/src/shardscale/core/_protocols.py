@@ -7,9 +7,9 @@ An optimizer step is described by data flowing through four kinds of plugin:
   the local tensor to read and write, and whether this rank's copy *counts*
   towards global sums (only one replica of each logical shard does, so sums
   stay exact and are never double-counted);
-* a *stats kernel* reads lists of local tensors once and produces per-rank
-  partial statistics (Σ|g|^p or max|g|, and whether anything is non-finite), or
-  unscales them in place while checking for non-finite values;
+* a *stats kernel* reads lists of local tensors once and produces per-tensor
+  norms (non-finite when the tensor is), or unscales them in place while
+  checking for non-finite values;
 * a *collective backend* (possibly wrapped in middleware) combines every rank's
   partials in ONE all-reduce over the reduction group;
 * *step observers* receive a :class:`StepRecord` after each ``update()``.
@@ -174,11 +174,14 @@ class StatsKernels(Protocol):
         """Multiply in place by ``inv_scale``; set ``found_inf`` to 1 on any inf/nan."""
         ...
 
-    def partial_norm(self, tensors: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-        """A 0-dim float32: Σ|x|^p over all elements (finite p) or max|x| (p = inf).
+    def tensor_norms(self, tensors: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+        """Each tensor's p-norm (max|x| for ``inf``) in ONE read: a 1-D tensor, one per input.
 
-        Any non-finite input makes the result non-finite (nan or inf), which is
-        how the overflow check rides on the same read.
+        float32 accumulation (float64 for float64 tensors); 0 for an empty
+        tensor. A non-finite element must make that tensor's entry non-finite
+        (nan for nan), which is how the overflow check rides on the same read.
+        The step engine keeps powers from overflowing (it normalises for
+        p other than 1, 2 and inf), so kernels compute plainly.
         """
         ...
 

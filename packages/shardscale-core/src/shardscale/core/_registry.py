@@ -401,6 +401,17 @@ class Registry:
         for adapter in catalog.adapters_by_priority or ():
             if adapter.claims(param):
                 return adapter
+        from shardscale.core._plain_adapter import is_fsdp1_param
+
+        if is_fsdp1_param(param):
+            raise PluginNotFoundError(
+                f"a parameter of shape {tuple(param.shape)} is managed by FSDP1 "
+                "(FullyShardedDataParallel), but no installed adapter knows FSDP1: each rank "
+                "holds a different shard, so treating it as a plain tensor would count one shard "
+                "as the whole gradient. Install shardscale-fsdp ('pip install shardscale-fsdp'), "
+                f"or remove it from ${DISABLE_ENV}. Installed adapters: "
+                f"{', '.join(self.names('adapter')) or '(none)'}."
+            )
         raise PluginNotFoundError(
             f"no grad adapter claims a parameter of type {type(param).__name__}; installed "
             f"adapters: {', '.join(self.names('adapter')) or '(none)'}. DTensor, FSDP1 and DDP "

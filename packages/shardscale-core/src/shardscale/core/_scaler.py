@@ -20,26 +20,32 @@ sync) instead of torch's fused update kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import numbers
 import warnings
+import weakref
+from collections import defaultdict
 from collections.abc import Iterable
-from enum import Enum
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from shardscale.core._errors import ShardscaleError
-from shardscale.core._gradients import collect_grads, optimizer_params
-from shardscale.core._protocols import (
-    AdapterContext,
-    CollectiveBackend,
-    Handle,
-    ReduceOp,
-    StepRecord,
-)
+from shardscale.core._gradients import optimizer_params
+from shardscale.core._overflow import OverflowReport, build_overflow_report
+from shardscale.core._protocols import AdapterContext, CollectiveBackend, StepRecord
 from shardscale.core._registry import Registry, get_registry
+from shardscale.core._step_engine import (
+    Apply,
+    PrecomputedNorms,
+    StepConfig,
+    StepResult,
+    poll_errors,
+    run_step,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -57,47 +63,48 @@ class ScalerStateError(ShardscaleError, ValueError, AssertionError):
     """
 
 
-class OptState(Enum):
-    """Where an optimizer is in the current iteration."""
+class _OptimizerState(dict[str, Any]):
+    """torch's per-optimizer record, ``{"stage": OptState, "found_inf_per_device": {...}}``.
 
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
+    Code written against torch reads ``scaler._per_optimizer_states[id(opt)]["stage"]``
+    (comparing with torch's own ``OptState``) and ``["found_inf_per_device"]``,
+    so the container keeps that shape; after a step the per-device flags hold
+    the *reduced* decision, never a rank-local one. ``grad_scale`` is what a
+    fused optimizer divides by after ``unscale_(..., max_norm=...)`` left its
+    gradients scaled.
+    """
 
-
-class _OptimizerState:
-    __slots__ = ("found_inf", "grad_scale", "handle", "stage")
+    __slots__ = ("grad_scale",)
 
     def __init__(self) -> None:
-        self.stage = OptState.READY
-        self.found_inf: torch.Tensor | None = None
-        self.handle: Handle | None = None
-        # Set by unscale_and_clip_ for fused optimizers: the factor the optimizer divides by.
+        super().__init__(stage=OptState.READY, found_inf_per_device={})
         self.grad_scale: torch.Tensor | None = None
 
-    def reduced_found_inf(self) -> torch.Tensor:
-        if self.handle is not None:
-            handle, self.handle = self.handle, None
-            try:
-                handle.wait()
-            except Exception as exc:
-                _note_found_inf(exc)
-                raise
-            assert self.found_inf is not None
-            # A SUM over ranks (and devices) may exceed 1, but fused optimizers skip their step
-            # only when found_inf == 1 exactly: with 2 overflowing ranks they would apply nan.
-            self.found_inf.clamp_(max=1.0)
-        assert self.found_inf is not None
-        return self.found_inf
+    @property
+    def stage(self) -> OptState:
+        """READY, UNSCALED or STEPPED in this iteration."""
+        stage: OptState = self["stage"]
+        return stage
 
+    @stage.setter
+    def stage(self, value: OptState) -> None:
+        self["stage"] = value
 
-def _note_found_inf(exc: BaseException) -> None:
-    # A note, not a new exception: the backend's error type (and message) stays catchable.
-    exc.add_note(
-        "shardscale: this was ShardedGradScaler's found_inf all-reduce, which every rank of "
-        "the scaler's process group joins once per step(); a rank that died, raised or "
-        "skipped step()/unscale_() leaves the others failing here"
-    )
+    def record(self, result: StepResult, grad_scale: torch.Tensor | None) -> None:
+        """Store a step's reduced decision; the optimizer is UNSCALED from now on."""
+        self["found_inf_per_device"] = {result.found_inf.device: result.found_inf}
+        self.grad_scale = grad_scale
+        self.stage = OptState.UNSCALED
+
+    def found_inf(self, device: torch.device) -> torch.Tensor | None:
+        """The flags summed on ``device`` and capped at 1 (fused optimizers skip only at 1)."""
+        flags = list(self["found_inf_per_device"].values())
+        if not flags:
+            return None
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for flag in flags:
+            total = total + flag.to(device, non_blocking=True).reshape(())
+        return total.clamp(max=1.0)
 
 
 def _positive_real(value: object) -> bool:
@@ -179,9 +186,12 @@ class ShardedGradScaler:
     _scale: torch.Tensor | None
     _growth_tracker: torch.Tensor | None
     _hysteresis_tracker: torch.Tensor | None
-    _per_optimizer_states: dict[int, _OptimizerState]
+    _per_optimizer_states: defaultdict[int, _OptimizerState]
     _step_count: int
     _last_grad_norm: torch.Tensor | None
+    _iteration: list[tuple[weakref.ref[torch.optim.Optimizer], StepResult]]
+    _last_iteration: list[tuple[weakref.ref[torch.optim.Optimizer], StepResult]]
+    _last_skipped: torch.Tensor | None
 
     def __init__(
         self,
@@ -256,9 +266,13 @@ class ShardedGradScaler:
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_tracker: torch.Tensor | None = None
-        self._per_optimizer_states: dict[int, _OptimizerState] = {}
+        self._per_optimizer_states = defaultdict(_OptimizerState)
         self._step_count = 0
         self._last_grad_norm: torch.Tensor | None = None
+        # Engine results of this iteration and of the last finished one (overflow localisation).
+        self._iteration = []
+        self._last_iteration = []
+        self._last_skipped: torch.Tensor | None = None
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -278,25 +292,31 @@ class ShardedGradScaler:
                 f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}; pass the "
                 "optimizer (scaler.step(optimizer)), not the model or its parameters"
             )
-        state = self._per_optimizer_states.get(id(optimizer))
-        if state is None:
-            state = self._per_optimizer_states[id(optimizer)] = _OptimizerState()
-        return state
+        return self._per_optimizer_states[id(optimizer)]
+
+    @property
+    def step_config(self) -> StepConfig:
+        """Where this scaler's steps reduce and which plugins they use (see ``run_step``).
+
+        Its backend, process group, registry, kernels and ``distinct_dims``:
+        what ``shardscale.clip`` and ``StreamingStats`` pass to the step engine.
+        """
+        return StepConfig(
+            backend=self.backend,
+            registry=self._reg(),
+            group=self.process_group,
+            kernels=self._kernels_name,
+            distinct_dims=self._distinct_dims,
+        )
 
     def _adapter_context(self) -> AdapterContext:
-        backend = self.backend
-        return AdapterContext(
-            group=self.process_group,
-            distinct_dims=self._distinct_dims,
-            rank=backend.rank(self.process_group),
-            world_size=backend.world_size(self.process_group),
-        )
+        return self.step_config.adapter_context()
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self._scale is None or self._growth_tracker is None:
             raise ScalerStateError(
-                f"{funcname}() was called before the scale exists: call scaler.scale(loss) "
-                "(and backward) earlier in the iteration."
+                f"{funcname}() was called before the scale exists: call "
+                "scaler.scale(loss).backward() earlier in the iteration."
             )
         return self._scale, self._growth_tracker
 
@@ -353,119 +373,130 @@ class ShardedGradScaler:
 
     # -- unscale -------------------------------------------------------------------------------
 
-    def _reduce_found_inf(
-        self, per_device: list[torch.Tensor], scale: torch.Tensor
-    ) -> tuple[torch.Tensor, Handle]:
-        # Sum every device's flag on the scale's device and reduce once: one collective per step.
-        found = torch.zeros((), dtype=torch.float32, device=scale.device)
-        for flag in per_device:
-            found += flag.to(scale.device, non_blocking=True).reshape(())
-        try:
-            handle = self.backend.all_reduce(found, op=ReduceOp.SUM, group=self.process_group)
-        except Exception as exc:
-            _note_found_inf(exc)
-            raise
-        return found, handle
-
-    def _group_ranks(self) -> tuple[int, ...] | None:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        return self.backend.group_ranks(self.process_group)
-
-    def _unscale_grads(
-        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | None
-    ) -> list[torch.Tensor]:
-        """Unscale (or, with ``inv_scale=None``, only check) every local grad; per-device flags."""
-        assert self._scale is not None
-        registry = self._reg()
-        buckets = collect_grads(
+    def _run(
+        self,
+        optimizer: torch.optim.Optimizer,
+        apply: Apply,
+        *,
+        defer_errors: bool = False,
+        **options: Any,
+    ) -> StepResult:
+        """One engine step over ``optimizer``'s gradients with this scaler's scale and config."""
+        config = self.step_config
+        kernels = options.pop("kernels", None)
+        if kernels is not None:
+            config = dataclasses.replace(config, kernels=kernels)
+        result = run_step(
             optimizer_params(optimizer),
-            self._adapter_context(),
-            registry,
-            group_ranks=self._group_ranks(),
+            config,
+            apply=apply,
+            scale=self._scale,
+            scale_device_type=self._device,
+            defer_errors=defer_errors,
+            **options,
         )
-        for device in buckets.devices():
-            # Checked before any grad is touched: a rejected call changes nothing.
-            if device.type == "meta" or device.type not in (self._scale.device.type, "cpu"):
-                raise ScalerStateError(
-                    f"a gradient is on {device}, but this scaler was built for "
-                    f"{self._device!r} and its scale lives on {self._scale.device}; move the "
-                    f"parameters to {self._scale.device.type}, or build the scaler with "
-                    f"device={device.type!r} and scale a loss on that device"
-                    + (" (meta tensors hold no values to check)" if device.type == "meta" else "")
-                )
-        flags: dict[torch.device, torch.Tensor] = {}
-        with torch.no_grad():
-            for (device, _dtype), tensors in buckets.every.items():
-                kernels = registry.kernels_for(device, self._kernels_name)
-                if device not in flags:
-                    flags[device] = torch.zeros((), dtype=torch.float32, device=device)
-                if inv_scale is None:
-                    # Read-only check: a non-finite value makes the max non-finite.
-                    peak = kernels.partial_norm(tensors, math.inf)
-                    flags[device] += (~torch.isfinite(peak)).to(torch.float32).to(device)
-                else:
-                    kernels.unscale_and_check_(
-                        tensors, flags[device], inv_scale.to(device, non_blocking=True)
-                    )
-        return list(flags.values())
+        self._iteration.append((weakref.ref(optimizer), result))
+        return result
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+    def _check_can_unscale(self, optimizer: torch.optim.Optimizer, what: str) -> _OptimizerState:
+        state = self._opt_state(optimizer)
+        if state.stage is OptState.UNSCALED:
+            raise RuntimeError(
+                f"{what} was already called for this optimizer since the last update(): it is "
+                "already unscaled in this iteration (by unscale_, unscale_and_clip_ or a fused "
+                "step's check); unscale at most once per optimizer per iteration, before "
+                "scaler.step(optimizer), then scaler.update()."
+            )
+        if state.stage is OptState.STEPPED:
+            raise RuntimeError(
+                f"{what} was called after step() for this optimizer, which is already stepped "
+                "in this iteration; unscale once per optimizer before stepping, then call "
+                "update() to start the next iteration."
+            )
+        return state
+
+    def unscale_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        kernels: str | None = None,
+        stats: PrecomputedNorms | None = None,
+    ) -> torch.Tensor | None:
         """Divide the optimizer's gradients by the scale and agree on overflow across ranks.
 
         Optional, as in torch: call it to inspect or clip unscaled gradients
         before :meth:`step`. Raises if called twice for one optimizer between
         updates, or after ``step``.
+
+        With ``max_norm`` (a number > 0, or inf to only measure) it also clips
+        the global ``norm_type``-norm in the same read and the same collective,
+        and returns that norm (see ``shardscale.clip.unscale_and_clip_``, the
+        validating front end); a fused optimizer's gradients are then left
+        scaled and :meth:`step` hands it ``grad_scale = scale / clip_coef``.
+        ``kernels`` overrides the scaler's stats kernels; ``stats`` supplies
+        per-gradient norms read during backward (``StreamingStats``).
         """
         if not self._enabled:
-            return
-        scale, _ = self._check_scale_growth_tracker("unscale_")
-        state = self._opt_state(optimizer)
-        if state.stage is OptState.UNSCALED:
-            raise RuntimeError(
-                "unscale_() was already called on this optimizer since the last update(); "
-                "call it at most once per optimizer per iteration."
-            )
-        if state.stage is OptState.STEPPED:
-            raise RuntimeError(
-                "unscale_() was called after step() for this optimizer; unscale before stepping, "
-                "then call update() to start the next iteration."
-            )
-        inv_scale = scale.double().reciprocal().float()
-        flags = self._unscale_grads(optimizer, inv_scale)
-        state.found_inf, state.handle = self._reduce_found_inf(flags, scale)
-        state.grad_scale = None
-        state.stage = OptState.UNSCALED
+            return None
+        what = "unscale_()" if max_norm is None else "unscale_and_clip_()"
+        self._check_scale_growth_tracker(what.rstrip("()"))
+        state = self._check_can_unscale(optimizer, what)
+        if max_norm is None:
+            result = self._run(optimizer, Apply.UNSCALE, kernels=kernels, defer_errors=True)
+            if result.local_error is None:
+                # The gradients are unscaled already: record that before any peer's error raises.
+                state.record(result, grad_scale=None)
+            result.raise_errors()
+            return None
+        fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        result = self._run(
+            optimizer,
+            Apply.FUSED if fused else Apply.MULTIPLY,
+            norm_type=norm_type,
+            max_norm=max_norm,
+            kernels=kernels,
+            precomputed=stats,
+        )
+        state.record(result, grad_scale=result.grad_scale)
+        self._last_grad_norm = result.norm
+        return result.norm
 
-    def _mark_unscaled(
+    def _unscale_grads_(
         self,
         optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
         found_inf: torch.Tensor,
-        *,
-        grad_scale: torch.Tensor | None = None,
-        grad_norm: torch.Tensor | None = None,
-    ) -> None:
-        """Record that a fused pass (``unscale_and_clip_``) unscaled ``optimizer``'s grads.
+        allow_fp16: bool = True,
+    ) -> dict[torch.device, torch.Tensor]:
+        """torch's private helper, kept for code that calls it: unscale by ``inv_scale``.
 
-        ``found_inf`` must already be reduced across ranks. ``grad_scale`` is set
-        when the gradients were left scaled for a fused optimizer to divide by.
+        Unlike torch's, the returned per-device flags (and ``found_inf``) are
+        already reduced over the scaler's process group, so code that
+        all-reduces them again still sees "nonzero iff any rank overflowed".
         """
-        state = self._opt_state(optimizer)
-        if state.stage is not OptState.READY:
-            raise RuntimeError(
-                f"optimizer is already {state.stage.name.lower()} in this iteration; "
-                "unscale_and_clip_ must come before step() and at most once per update()."
-            )
-        state.found_inf, state.handle = found_inf, None
-        state.grad_scale = grad_scale
-        state.stage = OptState.UNSCALED
-        self._last_grad_norm = grad_norm
+        if not allow_fp16:
+            for param in optimizer_params(optimizer):
+                if param.grad is not None and param.grad.dtype is torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+        result = self._run(optimizer, Apply.UNSCALE, unscale_by=inv_scale)
+        found_inf.copy_(torch.maximum(found_inf, result.found_inf.to(found_inf.device)))
+        return {result.found_inf.device: result.found_inf}
 
-    def _found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """The reduced overflow flag of ``optimizer`` in this iteration (0-dim float32)."""
-        return self._opt_state(optimizer).reduced_found_inf()
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Any]:
+        """torch's private helper: check (without unscaling) and record the reduced flags."""
+        self._check_scale_growth_tracker("_check_inf_per_device")
+        state = self._opt_state(optimizer)
+        result = self._run(optimizer, Apply.NOTHING)
+        state["found_inf_per_device"] = {result.found_inf.device: result.found_inf}
+        found: dict[torch.device, Any] = state["found_inf_per_device"]
+        return found
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Any]:
+        """torch's private helper: the recorded per-device flags of ``optimizer``."""
+        found: dict[torch.device, Any] = self._opt_state(optimizer)["found_inf_per_device"]
+        return found
 
     # -- step ----------------------------------------------------------------------------------
 
@@ -493,13 +524,28 @@ class ShardedGradScaler:
             return self._fused_step(optimizer, state, scale, args, kwargs)
         if state.stage is OptState.READY:
             self.unscale_(optimizer)
-        found_inf = state.reduced_found_inf()
+        found_inf = state.found_inf(scale.device)
+        if found_inf is None:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
         retval = None
         # The one host sync of an unfused step: the optimizer runs on the host's say-so.
         if not found_inf.item():
             retval = optimizer.step(*args, **kwargs)
+        else:
+            self._note_nonfinite_tensors(optimizer)
+        poll_errors()  # the sync above made any pending accelerator error block readable
         state.stage = OptState.STEPPED
         return retval
+
+    def _note_nonfinite_tensors(self, optimizer: torch.optim.Optimizer) -> None:
+        # A skipped unfused step is known on the host anyway: keep which tensors were bad while
+        # they are alive (torch's unscale kernel only gives one flag), for overflow_report().
+        for opt_ref, result in self._iteration:
+            if opt_ref() is optimizer and result.finite is None:
+                alive = [t() for _, t in result.owners]
+                result.finite = torch.tensor(
+                    [t is None or bool(torch.isfinite(t).all()) for t in alive], dtype=torch.bool
+                )
 
     def _fused_step(
         self,
@@ -511,21 +557,28 @@ class ShardedGradScaler:
     ) -> Any:
         # Fused optimizers unscale and skip on device: no host sync, no separate unscale pass.
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-            raise ShardscaleError(
-                "this optimizer's step() takes the deprecated grad_scaler= argument; shardscale "
-                "hands fused optimizers grad_scale/found_inf attributes instead. Update the "
-                "optimizer to read optimizer.grad_scale and optimizer.found_inf."
+            # torch's older contract (apex-style optimizers): pass the scaler itself; the
+            # optimizer calls _check_inf_per_device / _get_scale_async as it needs.
+            warnings.warn(
+                "this optimizer's step() takes grad_scaler=, a contract torch is retiring: "
+                "ShardedGradScaler passes itself as torch.amp.GradScaler does, but prefer an "
+                "optimizer that reads optimizer.grad_scale and optimizer.found_inf.",
+                FutureWarning,
+                stacklevel=3,
             )
+            retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+            state.stage = OptState.STEPPED
+            return retval
         if state.stage is OptState.READY:
-            flags = self._unscale_grads(optimizer, None)
-            state.found_inf, state.handle = self._reduce_found_inf(flags, scale)
-            grad_scale: torch.Tensor | None = scale * getattr(optimizer, "grad_scale", 1)
-        elif state.grad_scale is not None:
-            grad_scale = state.grad_scale
-        else:
-            grad_scale = getattr(optimizer, "grad_scale", None)
-        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = state.reduced_found_inf()  # type: ignore[attr-defined]
+            result = self._run(optimizer, Apply.NOTHING)
+            state.record(result, grad_scale=scale * getattr(optimizer, "grad_scale", 1))
+        elif state.grad_scale is None:
+            state.grad_scale = getattr(optimizer, "grad_scale", None)
+        found_inf = state.found_inf(scale.device)
+        if found_inf is None:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        optimizer.grad_scale = state.grad_scale  # type: ignore[attr-defined]
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         try:
             retval = optimizer.step(*args, **kwargs)
         finally:
@@ -550,20 +603,23 @@ class ShardedGradScaler:
             found = None
         else:
             found_list = [
-                s.reduced_found_inf()
+                flag
                 for s in self._per_optimizer_states.values()
-                if s.found_inf is not None
+                if (flag := s.found_inf(scale.device)) is not None
             ]
             if not found_list:
                 raise ScalerStateError(
                     "update() found no overflow checks this iteration: call scaler.step(optimizer) "
                     "(or unscale_) for at least one optimizer before update()."
                 )
-            found = found_list[0].to(scale.device).clone()
+            found = found_list[0].clone()
             for extra in found_list[1:]:
-                found += extra.to(scale.device)
+                found += extra
             self._update_scale(scale, tracker, found)
-        self._per_optimizer_states = {}
+            self._last_skipped = found > 0
+        poll_errors()  # an accelerator step's error that already arrived surfaces here, no sync
+        self._per_optimizer_states = defaultdict(_OptimizerState)
+        self._last_iteration, self._iteration = self._iteration, []
         self._step_count += 1
         if found is not None and self._reg().has_step_observers():
             assert self._growth_tracker is not None
@@ -691,6 +747,34 @@ class ShardedGradScaler:
             return self._init_hysteresis_tracker
         return int(self._hysteresis_tracker.item())
 
+    @property
+    def last_step_skipped(self) -> torch.Tensor | None:
+        """Whether the last ``update()`` saw an overflow: a 0-dim bool tensor on the scale's device.
+
+        Reading it costs nothing until you turn it into a Python bool. Use it to
+        keep a learning-rate schedule from advancing on skipped steps without a
+        host sync (docs/guarantees.md, "skip signal"). ``None`` before the first
+        ``update()`` and when disabled.
+        """
+        return self._last_skipped
+
+    def overflow_report(self, module: torch.nn.Module | None = None) -> OverflowReport:
+        """Which ranks and which parameters held non-finite gradients in the last iteration.
+
+        Call it on **every** rank of the scaler's process group, after
+        ``update()`` and before the gradients are freed (``zero_grad``); it
+        gathers each rank's findings in one extra collective, so call it only
+        when you want to know (e.g. when ``last_step_skipped`` is true). Clean
+        steps pay nothing for this. ``module`` gives parameters their fully
+        qualified names; without it they are named by optimizer position.
+        """
+        return build_overflow_report(
+            self._last_iteration,
+            module=module,
+            step=self._step_count,
+            group=self.process_group if self._enabled else None,
+        )
+
     def is_enabled(self) -> bool:
         """Whether scaling is on."""
         return self._enabled
@@ -817,6 +901,9 @@ class ShardedGradScaler:
             state["_init_growth_tracker"] = self._get_growth_tracker()
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_scale"] = state["_growth_tracker"] = state["_hysteresis_tracker"] = None
+        state["_iteration"], state["_last_iteration"] = [], []
+        state["_last_skipped"] = state["_last_grad_norm"] = None
+        state["_per_optimizer_states"] = defaultdict(_OptimizerState)
         state["_backend"] = None  # rebuilt from the spec on first use
         if not isinstance(state["_backend_spec"], (str, type(None))):
             state["_backend_spec"] = None
