@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from mp_harness import Pool
+from tolerances import clipped_grad_rtol, norm_rtol
 from torch import nn
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
@@ -365,6 +366,7 @@ def train_case(
     }
     out["types"], out["hooked"] = set(), []
     out["dtensor_params"] = sum(type(q).__name__ == "DTensor" for q in layout.model.parameters())
+    out["numel"] = sum(q.numel() for q in ref.parameters())
     for step in range(STEPS):
         x = global_batch(step)
         poison = math.inf if step == POISON_STEP else 1.0
@@ -427,7 +429,11 @@ def _same(a: float, b: float) -> bool:
 
 def check(results: list[Any], *, api: str, norm_type: float, max_norm: float) -> None:
     first = results[0]
-    expected = [("max" if math.isinf(norm_type) else "sum", 2)]
+    # The engine's one SUM all-reduce: 4 slots per rank and a shared nan count (4·W + 1).
+    expected = [("sum", 4 * len(results) + 1)]
+    # Two float32 norms of the same gradients differ by at most twice the rounding bound.
+    bound = 2 * norm_rtol(first["numel"], torch.float32, norm_type)
+    param_bound = STEPS * 2 * clipped_grad_rtol(first["numel"], torch.float32, norm_type)
     for rank, res in enumerate(results):
         assert res["types"] == {"Tensor"}, f"rank {rank} returned {res['types']}, not a Tensor"
         assert all(_same(a, b) for a, b in zip(res["norms"], first["norms"], strict=True)), (
@@ -439,9 +445,9 @@ def check(results: list[Any], *, api: str, norm_type: float, max_norm: float) ->
             if step == POISON_STEP:
                 assert not math.isfinite(ours), f"rank {rank}: overflow must give a non-finite norm"
                 continue
-            assert abs(ours - ref) <= 1e-5 * ref, f"rank {rank} step {step}: {ours} vs torch {ref}"
+            assert abs(ours - ref) <= bound * ref, f"rank {rank} step {step}: {ours} vs torch {ref}"
             if gathered is not None:
-                assert abs(ours - gathered) <= 1e-5 * gathered, f"step {step}: vs {gathered}"
+                assert abs(ours - gathered) <= bound * gathered, f"step {step}: vs {gathered}"
         for step, records in enumerate(res["collectives"]):
             if api in ("fused", "streaming"):
                 assert records == expected, f"rank {rank} step {step}: collectives {records}"
@@ -453,7 +459,9 @@ def check(results: list[Any], *, api: str, norm_type: float, max_norm: float) ->
                 # Those counted here were not read again (replicas, e.g. a TP bias, never are).
                 assert 0 < used <= seen, res["hooked"]
         assert res["finite_params"]
-        assert res["param_diff"] < 1e-5, f"rank {rank}: parameters differ by {res['param_diff']}"
+        assert res["param_diff"] <= param_bound, (
+            f"rank {rank}: parameters differ by {res['param_diff']}"
+        )
     finite = [n for i, n in enumerate(first["ref_norms"]) if i != POISON_STEP]
     assert max(finite) > max_norm, "the case must really clip"
 

@@ -239,8 +239,10 @@ def test_scaler_with_two_optimizers_issues_one_coalesced_collective_per_step() -
     for step in range(1, 4):
         _scaler_iteration(scaler, optimizers)
         assert len(counting.records) == step
+    # Two optimizers' step vectors (4 slots per rank + 1, float64; one rank here) in one.
+    world = scaler.backend.world_size(None)
     assert {(r.op, r.numel, r.dtype) for r in counting.records} == {
-        (ReduceOp.SUM, 2, torch.float32)
+        (ReduceOp.SUM, 2 * (4 * world + 1), torch.float64)
     }
     # Every step ran: grads were finite (0.5 / scale each time).
     torch.testing.assert_close(p1.detach(), torch.ones(3) - 3 * 0.1 * 0.5 / 4.0)
@@ -253,4 +255,5 @@ def test_counting_outside_coalescing_sees_the_requests() -> None:
     optimizers: list[torch.optim.Optimizer] = [torch.optim.SGD([p], lr=0.1) for p in (p1, p2)]
     scaler.scale(torch.ones(()))
     _scaler_iteration(scaler, optimizers)
-    assert [r.numel for r in outer.records] == [1, 1]
+    world = scaler.backend.world_size(None)
+    assert [r.numel for r in outer.records] == [4 * world + 1] * 2

@@ -54,8 +54,9 @@ def test_most_specific_adapter_wins() -> None:
     assert registry.adapter_for(_dtensor_param([Shard(0)])).name == "dtensor"
     flat = FullyShardedDataParallel(nn.Linear(3, 2), device_id=torch.device("cpu"))
     (flat_param,) = list(flat.parameters())
-    # A FlatParameter is a plain nn.Parameter to the plain adapter; FSDP1's must win.
-    assert PlainTensorAdapter().claims(flat_param)
+    # A FlatParameter looks like a plain nn.Parameter, but each rank holds a different shard:
+    # the plain adapter refuses it (counting one shard as the whole would be silently wrong).
+    assert not PlainTensorAdapter().claims(flat_param)
     assert registry.adapter_for(flat_param).name == "fsdp1"
 
 

@@ -55,6 +55,7 @@ from shardscale.core._scaler import OptState, ScalerStateError, ShardedGradScale
 from shardscale.core._step_engine import (
     EPS,
     Apply,
+    GradientDeviceError,
     PrecomputedNorms,
     StepConfig,
     StepError,
@@ -74,6 +75,7 @@ __all__ = [
     "StepConfig",
     "StepResult",
     "StepError",
+    "GradientDeviceError",
     "Apply",
     "PrecomputedNorms",
     "read_tensor_norm",

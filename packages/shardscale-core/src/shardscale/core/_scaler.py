@@ -74,11 +74,23 @@ class _OptimizerState(dict[str, Any]):
     gradients scaled.
     """
 
-    __slots__ = ("grad_scale",)
+    __slots__ = ("grad_scale", "pending")
 
     def __init__(self) -> None:
         super().__init__(stage=OptState.READY, found_inf_per_device={})
         self.grad_scale: torch.Tensor | None = None
+        self.pending: StepResult | None = None
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "found_inf_per_device":
+            self.settle()  # whoever reads the flags sees the reduced decision
+        return super().__getitem__(key)
+
+    def settle(self) -> None:
+        """Wait for a lazily issued reduction and raise if any rank failed in it."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait().raise_errors()
 
     @property
     def stage(self) -> OptState:
@@ -95,10 +107,11 @@ class _OptimizerState(dict[str, Any]):
         self["found_inf_per_device"] = {result.found_inf.device: result.found_inf}
         self.grad_scale = grad_scale
         self.stage = OptState.UNSCALED
+        self.pending = result if result._complete is not None else None
 
     def found_inf(self, device: torch.device) -> torch.Tensor | None:
         """The flags summed on ``device`` and capped at 1 (fused optimizers skip only at 1)."""
-        flags = list(self["found_inf_per_device"].values())
+        flags: list[torch.Tensor] = list(self["found_inf_per_device"].values())
         if not flags:
             return None
         total = torch.zeros((), dtype=torch.float32, device=device)
@@ -444,11 +457,16 @@ class ShardedGradScaler:
         self._check_scale_growth_tracker(what.rstrip("()"))
         state = self._check_can_unscale(optimizer, what)
         if max_norm is None:
-            result = self._run(optimizer, Apply.UNSCALE, kernels=kernels, defer_errors=True)
-            if result.local_error is None:
-                # The gradients are unscaled already: record that before any peer's error raises.
-                state.record(result, grad_scale=None)
-            result.raise_errors()
+            # Lazy: the flag is awaited at step(), so a coalescing middleware can merge several
+            # optimizers' reductions; a peer's error surfaces there too, the grads being
+            # unscaled and recorded as such by then.
+            result = self._run(
+                optimizer, Apply.UNSCALE, kernels=kernels, defer_errors=True, lazy=True
+            )
+            if result.local_error is not None:
+                result.wait()
+                result.raise_errors()
+            state.record(result, grad_scale=None)
             return None
         fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         result = self._run(
@@ -570,7 +588,7 @@ class ShardedGradScaler:
             state.stage = OptState.STEPPED
             return retval
         if state.stage is OptState.READY:
-            result = self._run(optimizer, Apply.NOTHING)
+            result = self._run(optimizer, Apply.NOTHING, defer_errors=True, lazy=True)
             state.record(result, grad_scale=scale * getattr(optimizer, "grad_scale", 1))
         elif state.grad_scale is None:
             state.grad_scale = getattr(optimizer, "grad_scale", None)

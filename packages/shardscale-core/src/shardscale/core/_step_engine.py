@@ -71,7 +71,7 @@ import torch
 
 from shardscale.core._errors import LayoutError, ShardscaleError
 from shardscale.core._gradients import GradBuckets, collect_grads
-from shardscale.core._protocols import AdapterContext, CollectiveBackend, ReduceOp
+from shardscale.core._protocols import AdapterContext, CollectiveBackend, Handle, ReduceOp
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -81,6 +81,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EPS",
     "Apply",
+    "GradientDeviceError",
     "PrecomputedNorms",
     "StepConfig",
     "StepError",
@@ -200,6 +201,14 @@ class StepResult:
     _codes: torch.Tensor | None = None
     _event: Any = None
     _raised: bool = False
+    _complete: Any = None
+
+    def wait(self) -> StepResult:
+        """Finish a ``lazy`` step: wait for the all-reduce and decide (a no-op otherwise)."""
+        complete, self._complete = self._complete, None
+        if complete is not None:
+            complete()
+        return self
 
     def _start_error_read(self) -> None:
         # The same path on every device, and never a device-to-host sync: the error block is
@@ -251,7 +260,7 @@ class StepResult:
         if self.local_error is None and not failing:
             return
         self._raised = True
-        kinds = {r: _ERROR_KINDS.get(int(codes[r]), "an error") for r in failing}
+        kinds = {r: _ERROR_KINDS.get(int((codes or [])[r]), "an error") for r in failing}
         if self.local_error is not None:
             others = [r for r in failing if r != self.rank]
             self.local_error.add_note(
@@ -376,7 +385,7 @@ def _error_code(exc: BaseException) -> int:
 
     if isinstance(exc, LayoutError):
         return 1
-    if isinstance(exc, _DeviceError):
+    if isinstance(exc, GradientDeviceError):
         return 2
     if isinstance(exc, TypeError) and "floating point" in str(exc):
         return 3
@@ -387,8 +396,8 @@ def _error_code(exc: BaseException) -> int:
     return 6
 
 
-class _DeviceError(ShardscaleError, ValueError):
-    """A gradient on a device the step cannot read."""
+class GradientDeviceError(ShardscaleError, ValueError):
+    """A gradient on a device the step cannot read (meta, or not the scale's device)."""
 
 
 def _collect(
@@ -441,13 +450,13 @@ def _coalesced(items: Iterable[torch.Tensor], *, as_grads: bool) -> list[torch.T
 def _check_devices(buckets: GradBuckets, scale: torch.Tensor | None, expect: str | None) -> None:
     for device in buckets.devices():
         if device.type == "meta":
-            raise _DeviceError(
+            raise GradientDeviceError(
                 "a gradient is on the meta device, which holds no values to check or scale; "
                 "move the parameters to a real device (model.to_empty(device=...), then "
                 "initialise them) before training"
             )
         if scale is not None and device.type not in (scale.device.type, "cpu"):
-            raise _DeviceError(
+            raise GradientDeviceError(
                 f"a gradient is on {device}, but this scaler was built for {expect!r} and its "
                 f"scale lives on {scale.device}; move the parameters to {scale.device.type}, or "
                 f"build the scaler with device={device.type!r} and scale a loss on that device"
@@ -553,6 +562,7 @@ def run_step(
     defer_errors: bool = False,
     unscale_by: torch.Tensor | None = None,
     nonfinite_error: BaseException | None = None,
+    lazy: bool = False,
 ) -> StepResult:
     """Collect, check, read, reduce once, decide and apply (see [Note: one step, top to bottom]).
 
@@ -572,6 +582,11 @@ def run_step(
         nonfinite_error: raise this on every rank, before anything is
             applied, when any rank holds a non-finite gradient (a host read:
             ``error_if_nonfinite`` of the clip functions).
+        lazy: only issue the all-reduce; the decision is made when the
+            result's :meth:`StepResult.wait` is first called. For steps that
+            apply nothing afterwards (the scaler's ``unscale_`` and fused
+            check), so that a middleware like ``coalescing`` can merge the
+            reductions of several optimizers into one collective.
         unscale_by: with ``Apply.UNSCALE``, the factor to multiply by instead
             of 1/scale (torch's private ``_unscale_grads_`` takes one).
 
@@ -608,28 +623,53 @@ def run_step(
         world = config.backend.world_size(config.group)
         rank = config.backend.rank(config.group)
         vec = _local_vector(reading, local, p=norm_type, rank=rank, world=world, device=device)
-        _all_reduce(vec, config)
-        result = _decide(
-            vec,
-            world=world,
-            p=norm_type,
-            max_norm=max_norm,
-            scale=scale,
-            inv_scale=inv_scale,
-            apply=apply,
+        handle = _issue(vec, config)
+        result = StepResult(
+            found_inf=torch.zeros((), dtype=torch.float32, device=device),
+            norm=None,
+            coef=torch.ones((), dtype=torch.float32, device=device),
+            grad_scale=None,
             device=device,
-            f64=any(dtype is torch.float64 for _, dtype in local.buckets.every),
+            vector=vec,
+            world_size=world,
+            rank=rank,
+            local_error=local.error,
         )
-        result.rank = rank
-        result.local_error = local.error
         result.owners = [
             (weakref.ref(param), weakref.ref(t)) for param, t in local.buckets.owner_pairs()
         ]
         if reading.every_norms:
             result.finite = torch.isfinite(torch.stack(reading.every_norms))
-        result._start_error_read()
-        if not defer_errors:
-            result.raise_errors(wait=False)
+
+        def complete() -> None:
+            _wait(handle)
+            decided = _decide(
+                vec,
+                world=world,
+                p=norm_type,
+                max_norm=max_norm,
+                scale=scale,
+                inv_scale=inv_scale,
+                apply=apply,
+                device=device,
+                f64=any(dtype is torch.float64 for _, dtype in local.buckets.every),
+            )
+            result.found_inf.copy_(decided.found_inf)
+            result.norm, result.coef, result.grad_scale = (
+                decided.norm,
+                decided.coef,
+                decided.grad_scale,
+            )
+            result._start_error_read()
+            if not defer_errors:
+                result.raise_errors(wait=False)
+
+        if lazy:
+            if norm_type is not None or apply not in (Apply.UNSCALE, Apply.NOTHING):
+                raise ValueError("lazy=True is for steps that apply nothing after the decision")
+            result._complete = complete
+            return result
+        complete()
         if nonfinite_error is not None and bool(result.found_inf):
             raise nonfinite_error
         if local.error is None and not result.failed_now():
@@ -690,16 +730,27 @@ def _local_vector(
     return vec
 
 
-def _all_reduce(vec: torch.Tensor, config: StepConfig) -> None:
+_COLLECTIVE_NOTE = (
+    "shardscale: this was the step's one all-reduce, which every rank of the reduction group "
+    "joins once per scaler.unscale_/step or clip call; a rank that died, raised outside "
+    "shardscale or skipped the call leaves the others failing here"
+)
+
+
+def _issue(vec: torch.Tensor, config: StepConfig) -> Handle:
     try:
-        config.backend.all_reduce(vec, op=ReduceOp.SUM, group=config.group).wait()
+        return config.backend.all_reduce(vec, op=ReduceOp.SUM, group=config.group)
     except Exception as exc:
         # A note, not a new exception: the backend's error type (and message) stays catchable.
-        exc.add_note(
-            "shardscale: this was the step's one all-reduce, which every rank of the reduction "
-            "group joins once per scaler.unscale_/step or clip call; a rank that died, raised "
-            "outside shardscale or skipped the call leaves the others failing here"
-        )
+        exc.add_note(_COLLECTIVE_NOTE)
+        raise
+
+
+def _wait(handle: Handle) -> None:
+    try:
+        handle.wait()
+    except Exception as exc:
+        exc.add_note(_COLLECTIVE_NOTE)
         raise
 
 
