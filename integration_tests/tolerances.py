@@ -4,12 +4,12 @@
 A p-norm of n values accumulated in a precision with unit roundoff u (half
 the dtype's eps) is Σ|x|^p followed by the p-th root. Recursive (or pairwise,
 or blocked: every BLAS and torch kernel is one of these) summation of n
-non-negative terms has a relative error of at most (n − 1)·u; forming each
+non-negative terms has a relative error of at most (n - 1)·u; forming each
 term |x|^p adds at most about 2u (one rounding for a square, a few for a
 general power), and the root divides the sum's relative error by p and adds
 u. shardscale's engine may also normalise each tensor by its max (one more
 rounding per element) and combines per-tensor norms the same way again. So
-|computed − exact| / exact ≤ (n + 8)·u·max(1, 1/p)·2 for every kernel, on
+|computed - exact| / exact ≤ (n + 8)·u·max(1, 1/p)·2 for every kernel, on
 every machine; two computed values are within twice that of each other. The
 inf-norm (a max) is exact. The bound is a worst case: real errors are far
 smaller, and a wrong algorithm is off by far more.

@@ -30,19 +30,17 @@ class LocalBackend:
         del tensor, op
         import torch.distributed as dist
 
-        if group is None and dist.is_available() and dist.is_initialized():
-            if dist.get_world_size() > 1:
-                from shardscale.core._errors import BackendUnavailableError
+        from shardscale.core._errors import BackendUnavailableError
 
-                raise BackendUnavailableError(
-                    f"the 'local' backend was chosen (backend='local' or $SHARDSCALE_BACKEND) in a "
-                    f"run of {dist.get_world_size()} ranks: it reduces nothing, so ranks would "
-                    "decide differently and diverge. Use 'c10d' (pip install "
-                    "shardscale-collectives), or leave the backend unset."
-                )
+        multi_rank = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if group is None and multi_rank:
+            raise BackendUnavailableError(
+                f"the 'local' backend was chosen (backend='local' or $SHARDSCALE_BACKEND) in a "
+                f"run of {dist.get_world_size()} ranks: it reduces nothing, so ranks would "
+                "decide differently and diverge. Use 'c10d' (pip install "
+                "shardscale-collectives), or leave the backend unset."
+            )
         if self.world_size(group) != 1:
-            from shardscale.core._errors import BackendUnavailableError
-
             raise BackendUnavailableError(
                 "the 'local' backend cannot reduce over a process group of "
                 f"{self.world_size(group)} ranks: ranks would disagree. Use 'c10d' "
