@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import numbers
 import warnings
 import weakref
 from collections import defaultdict
@@ -33,11 +32,24 @@ from typing import TYPE_CHECKING, Any, overload
 import torch
 from torch.amp.grad_scaler import OptState
 
-from shardscale.core._errors import ShardscaleError
 from shardscale.core._gradients import optimizer_params
 from shardscale.core._overflow import OverflowReport, build_overflow_report
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, StepRecord
 from shardscale.core._registry import Registry, get_registry
+from shardscale.core._scaler_values import (
+    DEFAULT_INIT_SCALE,
+    FLOAT32_TINY,
+    ScalerStateError,
+    scale_floor,
+    validate_backoff_factor,
+    validate_bounds,
+    validate_growth_factor,
+    validate_growth_interval,
+    validate_hysteresis,
+    validate_init_scale,
+    validate_scale,
+    validate_state_dict,
+)
 from shardscale.core._step_engine import (
     Apply,
     PrecomputedNorms,
@@ -50,17 +62,8 @@ from shardscale.core._step_engine import (
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+# ScalerStateError is defined in _scaler_values and re-exported here.
 __all__ = ["OptState", "ShardedGradScaler", "ScalerStateError"]
-
-_STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-
-
-class ScalerStateError(ShardscaleError, ValueError, AssertionError):
-    """A bad value for the scaler (a factor, a new scale, a state dict).
-
-    It is an ``AssertionError`` too, because torch's GradScaler raises that for
-    the same mistakes and code written for torch may catch it.
-    """
 
 
 class _OptimizerState(dict[str, Any]):
@@ -118,34 +121,6 @@ class _OptimizerState(dict[str, Any]):
         for flag in flags:
             total = total + flag.to(device, non_blocking=True).reshape(())
         return total.clamp(max=1.0)
-
-
-def _positive_real(value: object) -> bool:
-    return (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and math.isfinite(float(value))
-        and float(value) > 0
-    )
-
-
-def _check_factors(growth_factor: float, backoff_factor: float, growth_interval: int) -> None:
-    if not _positive_real(growth_factor) or float(growth_factor) <= 1.0:
-        raise ScalerStateError(
-            f"growth_factor must be a finite number > 1.0, got {growth_factor!r}; the default is 2.0"
-        )
-    if not _positive_real(backoff_factor) or float(backoff_factor) >= 1.0:
-        raise ScalerStateError(
-            f"backoff_factor must be a number in (0, 1), got {backoff_factor!r}; the default is 0.5"
-        )
-    if (
-        not isinstance(growth_interval, numbers.Integral)
-        or isinstance(growth_interval, bool)
-        or growth_interval < 1
-    ):
-        raise ScalerStateError(
-            f"growth_interval must be an int >= 1, got {growth_interval!r}; the default is 2000"
-        )
 
 
 class ShardedGradScaler:
@@ -209,7 +184,7 @@ class ShardedGradScaler:
     def __init__(
         self,
         device: str = "cuda",
-        init_scale: float = 2.0**16,
+        init_scale: float = DEFAULT_INIT_SCALE,  # 2.0**16, as in torch
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
@@ -235,33 +210,21 @@ class ShardedGradScaler:
                 stacklevel=2,
             )
             self._enabled = False
-        _check_factors(growth_factor, backoff_factor, growth_interval)
-        if (
-            not isinstance(hysteresis, numbers.Integral)
-            or isinstance(hysteresis, bool)
-            or hysteresis < 1
-        ):
-            raise ScalerStateError(f"hysteresis must be an int >= 1, got {hysteresis!r}")
-        for label, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
-            if bound is not None and not _positive_real(bound):
-                raise ScalerStateError(
-                    f"{label} must be a finite number > 0 or None, got {bound!r}"
-                )
-        if min_scale is not None and max_scale is not None and min_scale > max_scale:
-            raise ScalerStateError(
-                f"min_scale ({min_scale}) must not exceed max_scale ({max_scale})"
-            )
-        if not _positive_real(init_scale):
-            raise ScalerStateError(f"init_scale must be a finite number > 0, got {init_scale!r}")
-        self._init_scale = float(init_scale)
-        self._growth_factor = float(growth_factor)
-        self._backoff_factor = float(backoff_factor)
-        self._growth_interval = int(growth_interval)
+        # Every value is checked against what its float32/int32 tensor can hold
+        # (see _scaler_values) before any is stored.
+        self._growth_factor = validate_growth_factor(growth_factor)
+        self._backoff_factor = validate_backoff_factor(backoff_factor)
+        self._growth_interval = validate_growth_interval(growth_interval)
+        self._hysteresis = validate_hysteresis(hysteresis)
+        self._min_scale, self._max_scale = validate_bounds(min_scale, max_scale)
+        # An explicit init_scale outside the bounds is an error, not a clamp: the user typed it,
+        # and silently starting elsewhere would hide a mistake in the scale or the bounds. The
+        # untyped default is clamped into the bounds instead.
+        self._init_scale = validate_init_scale(
+            init_scale, min_scale=self._min_scale, max_scale=self._max_scale
+        )
         self._init_growth_tracker = 0
-        self._hysteresis = int(hysteresis)
-        self._init_hysteresis_tracker = int(hysteresis)
-        self._min_scale = None if min_scale is None else float(min_scale)
-        self._max_scale = None if max_scale is None else float(max_scale)
+        self._init_hysteresis_tracker = self._hysteresis
         self.process_group = process_group
         if isinstance(distinct_dims, (str, bytes)):
             # frozenset("pp") would silently mean {"p"}.
@@ -672,6 +635,8 @@ class ShardedGradScaler:
                     f"update(new_scale=...) needs a float or a one-element float tensor on "
                     f"{self._device} without grad; {problem}."
                 )
+            value = float(new_scale.reshape(()))
+            self._check_new_scale(value, f"update(new_scale=tensor({value!r}))")
             scale.copy_(new_scale.reshape(()))
             return
         if not isinstance(new_scale, float):
@@ -683,7 +648,19 @@ class ShardedGradScaler:
             raise ScalerStateError(
                 f"update(new_scale={new_scale!r}): the scale must be a finite number > 0"
             )
+        self._check_new_scale(new_scale, f"update(new_scale={new_scale!r})")
         scale.fill_(new_scale)
+
+    def _check_new_scale(self, value: float, shown: str) -> None:
+        # Fits float32 and, like every scale, stays within the bounds (an error: it is explicit).
+        validate_scale(
+            value,
+            name="new_scale",
+            shown=shown,
+            min_scale=self._min_scale,
+            max_scale=self._max_scale,
+            bounds_fix="; pass a new_scale within [min_scale, max_scale]",
+        )
 
     def _update_scale(
         self, scale: torch.Tensor, tracker: torch.Tensor, found: torch.Tensor
@@ -697,6 +674,9 @@ class ShardedGradScaler:
                 self._backoff_factor,
                 self._growth_interval,
             )
+            # torch's kernel backs off without a floor; a zero or subnormal scale has an inf
+            # reciprocal and never recovers. A no-op above the floor: still torch's numbers.
+            scale.clamp_(min=FLOAT32_TINY)
             return
         assert self._hysteresis_tracker is not None
         hyst = self._hysteresis_tracker
@@ -705,15 +685,16 @@ class ShardedGradScaler:
         hyst.copy_(
             torch.where(overflow, (hyst - 1).clamp(min=1), torch.full_like(hyst, self._hysteresis))
         )
+        # tracker < growth_interval <= int32 max, so tracker + 1 cannot wrap.
         counted = torch.where(overflow, torch.zeros_like(tracker), tracker + 1)
-        grow = (~overflow) & (counted >= self._growth_interval)
+        complete = (~overflow) & (counted >= self._growth_interval)
         grown = scale * self._growth_factor
-        grow = grow & torch.isfinite(grown)
-        tracker.copy_(torch.where(grow | overflow, torch.zeros_like(tracker), counted))
+        grow = complete & torch.isfinite(grown)
+        # Reset when the interval completes, grown or not (as torch's kernel does), so the
+        # tracker never climbs past the interval while growth is refused.
+        tracker.copy_(torch.where(complete | overflow, torch.zeros_like(tracker), counted))
         new = torch.where(back_off, scale * self._backoff_factor, torch.where(grow, grown, scale))
-        if self._min_scale is not None or self._max_scale is not None:
-            new = new.clamp(min=self._min_scale, max=self._max_scale)
-        scale.copy_(new)
+        scale.copy_(new.clamp(min=scale_floor(self._min_scale), max=self._max_scale))
 
     # -- getters and setters -------------------------------------------------------------------
 
@@ -731,27 +712,33 @@ class ShardedGradScaler:
         return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (must be > 1)."""
-        _check_factors(new_factor, self._backoff_factor, self._growth_interval)
-        self._growth_factor = float(new_factor)
+        """Set the growth factor (must be > 1 and finite in float32)."""
+        self._growth_factor = validate_growth_factor(new_factor)
 
     def get_backoff_factor(self) -> float:
         """The factor the scale shrinks by after an overflow."""
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (must be in (0, 1))."""
-        _check_factors(self._growth_factor, new_factor, self._growth_interval)
-        self._backoff_factor = float(new_factor)
+        """Set the backoff factor (must be in (0, 1), and not below float32's smallest normal)."""
+        self._backoff_factor = validate_backoff_factor(new_factor)
 
     def get_growth_interval(self) -> int:
         """How many consecutive clean steps make the scale grow."""
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (an int >= 1)."""
-        _check_factors(self._growth_factor, self._backoff_factor, new_interval)
-        self._growth_interval = int(new_interval)
+        """Set the growth interval (an int in [1, 2**31 - 1]).
+
+        A tracker already at or past a shrunk interval is kept at ``interval - 1``:
+        the interval is complete and the next clean step grows the scale. (torch's
+        kernel waits for ``tracker + 1 == interval`` and would never grow again.)
+        """
+        interval = validate_growth_interval(new_interval)
+        self._growth_interval = interval
+        self._init_growth_tracker = min(self._init_growth_tracker, interval - 1)
+        if self._growth_tracker is not None:
+            self._growth_tracker.clamp_(max=interval - 1)
 
     def _get_growth_tracker(self) -> int:
         if not self._enabled:
@@ -836,69 +823,22 @@ class ShardedGradScaler:
         """
         if not self._enabled:
             return
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"load_state_dict() takes a dict, got {type(state_dict).__name__}")
-        if len(state_dict) == 0:
-            raise RuntimeError(
-                "the scaler state dict is empty, probably saved from a disabled scaler; "
-                "start from a fresh scaler instead of loading it."
-            )
-        missing = [k for k in _STATE_KEYS if k not in state_dict]
-        if missing:
-            raise ScalerStateError(
-                f"scaler state dict is missing key(s) {missing}; it needs {list(_STATE_KEYS)} "
-                "(saved by scaler.state_dict() after update())."
-            )
-        scale = state_dict["scale"]
-        if not _positive_real(scale):
-            raise ScalerStateError(
-                f"state dict key 'scale' must be a finite float > 0, got {scale!r}"
-            )
-        tracker = state_dict["_growth_tracker"]
-        if not isinstance(tracker, numbers.Integral) or isinstance(tracker, bool) or tracker < 0:
-            raise ScalerStateError(
-                f"state dict key '_growth_tracker' must be an int >= 0, got {tracker!r}"
-            )
-        try:
-            _check_factors(
-                state_dict["growth_factor"],
-                state_dict["backoff_factor"],
-                state_dict["growth_interval"],
-            )
-        except ScalerStateError as exc:
-            raise ScalerStateError(f"bad scaler state dict: {exc}") from None
-        hysteresis: Any = state_dict.get("hysteresis", self._hysteresis)
-        hyst_tracker: Any = state_dict.get("_hysteresis_tracker", hysteresis)
-        for key, value in (("hysteresis", hysteresis), ("_hysteresis_tracker", hyst_tracker)):
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-                raise ScalerStateError(f"state dict key {key!r} must be an int >= 1, got {value!r}")
-        bounds = {}
-        for key in ("min_scale", "max_scale"):
-            value = state_dict.get(key, getattr(self, f"_{key}"))
-            if value is not None and not _positive_real(value):
-                raise ScalerStateError(
-                    f"state dict key {key!r} must be a finite float > 0, got {value!r}"
-                )
-            bounds[key] = value
-        if (
-            bounds["min_scale"] is not None
-            and bounds["max_scale"] is not None
-            and bounds["min_scale"] > bounds["max_scale"]
-        ):
-            raise ScalerStateError(
-                f"state dict: min_scale ({bounds['min_scale']}) must not exceed max_scale "
-                f"({bounds['max_scale']}); fix the checkpoint or the scaler's bounds"
-            )
-        # Validated: now apply, all at once.
-        self._init_scale = float(scale)
-        self._growth_factor = float(state_dict["growth_factor"])
-        self._backoff_factor = float(state_dict["backoff_factor"])
-        self._growth_interval = int(state_dict["growth_interval"])
-        self._init_growth_tracker = int(tracker)
-        self._hysteresis = int(hysteresis)
-        self._init_hysteresis_tracker = int(hyst_tracker)
-        self._min_scale = None if bounds["min_scale"] is None else float(bounds["min_scale"])
-        self._max_scale = None if bounds["max_scale"] is None else float(bounds["max_scale"])
+        values = validate_state_dict(
+            state_dict,
+            hysteresis=self._hysteresis,
+            min_scale=self._min_scale,
+            max_scale=self._max_scale,
+        )
+        # Validated: now apply, all at once (every value fits its float32/int32 tensor).
+        self._init_scale = values.scale
+        self._growth_factor = values.growth_factor
+        self._backoff_factor = values.backoff_factor
+        self._growth_interval = values.growth_interval
+        self._init_growth_tracker = values.growth_tracker
+        self._hysteresis = values.hysteresis
+        self._init_hysteresis_tracker = values.hysteresis_tracker
+        self._min_scale = values.min_scale
+        self._max_scale = values.max_scale
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
         if self._growth_tracker is not None:
