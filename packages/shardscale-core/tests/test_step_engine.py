@@ -1,0 +1,233 @@
+"""The step engine in one process: its public API, and the surface code written for torch uses.
+
+Multi-rank promises (errors on every rank, replicas, refusals, localisation)
+are in integration_tests/test_step_engine.py; here: the engine called
+directly, torch's de-facto private surface (``_per_optimizer_states``,
+``found_inf_per_device``, ``_unscale_grads_``, ``grad_scaler=`` optimizers)
+compared with torch's own scaler in the same process, and the skip signal.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch.amp.grad_scaler import OptState as TorchOptState
+
+from shardscale.core import (
+    Apply,
+    GradientDeviceError,
+    OptState,
+    ShardedGradScaler,
+    StepConfig,
+    get_registry,
+    run_step,
+)
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _backward(model: torch.nn.Module, scaler: Any, poison: float = 1.0) -> None:
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    scaler.scale(model(x).pow(2).mean() * poison).backward()
+
+
+def _config() -> StepConfig:
+    registry = get_registry()
+    return StepConfig(backend=registry.make_backend("local"), registry=registry)
+
+
+def test_our_opt_state_is_torchs() -> None:
+    assert OptState is TorchOptState
+
+
+@pytest.mark.parametrize("poison", [1.0, math.inf])
+def test_per_optimizer_state_has_torchs_shape_and_the_reduced_flags(poison: float) -> None:
+    ours, theirs = _model(), _model()
+    ours_opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    theirs_opt = torch.optim.SGD(theirs.parameters(), lr=0.1)
+    ours_scaler = ShardedGradScaler("cpu", backend="local")
+    theirs_scaler = torch.amp.GradScaler("cpu")
+    for model, scaler, opt in ((ours, ours_scaler, ours_opt), (theirs, theirs_scaler, theirs_opt)):
+        _backward(model, scaler, poison)
+        assert scaler._per_optimizer_states[id(opt)]["stage"] is TorchOptState.READY
+        scaler.unscale_(opt)
+    mine = ours_scaler._per_optimizer_states[id(ours_opt)]
+    ref = theirs_scaler._per_optimizer_states[id(theirs_opt)]
+    assert set(mine) == set(ref) == {"stage", "found_inf_per_device"}
+    assert mine["stage"] is ref["stage"] is TorchOptState.UNSCALED
+    flags = mine["found_inf_per_device"]
+    assert isinstance(flags, dict) and len(flags) == 1
+    (flag,) = flags.values()
+    assert (
+        float(flag)
+        == (0.0 if poison == 1.0 else 1.0)
+        == float(sum(v for v in ref["found_inf_per_device"].values()))
+    )
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert (
+            torch.equal(
+                a.grad,
+                b.grad,
+            )
+            if poison == 1.0
+            else torch.equal(  # type: ignore[arg-type]
+                a.grad.isnan(),
+                b.grad.isnan(),  # type: ignore[union-attr]
+            )
+        )
+
+
+def test_private_unscale_grads_matches_torch_bit_for_bit() -> None:
+    ours, theirs = _model(), _model()
+    ours_opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    theirs_opt = torch.optim.SGD(theirs.parameters(), lr=0.1)
+    ours_scaler = ShardedGradScaler("cpu", backend="local", init_scale=256.0)
+    theirs_scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    _backward(ours, ours_scaler)
+    _backward(theirs, theirs_scaler)
+    inv = torch.tensor(1 / 256.0)
+    got = ours_scaler._unscale_grads_(ours_opt, inv, torch.zeros(()), True)
+    want = theirs_scaler._unscale_grads_(theirs_opt, inv, torch.zeros(()), True)
+    assert list(got) == list(want) == [torch.device("cpu")]
+    assert float(next(iter(got.values()))) == float(next(iter(want.values()))) == 0.0
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="FP16"):
+        half = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+        half.grad = torch.ones(2, dtype=torch.float16)
+        ours_scaler._unscale_grads_(torch.optim.SGD([half], lr=0.1), inv, torch.zeros(()), False)
+
+
+class _ApexStyleSGD(torch.optim.Optimizer):
+    """An optimizer on torch's older fused contract: ``step(..., grad_scaler=...)``."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, grad_scaler: Any = None) -> Any:  # type: ignore[override]
+        del closure
+        inv_scale, found = 1.0, 0.0
+        if grad_scaler is not None:
+            found = float(sum(v for v in grad_scaler._check_inf_per_device(self).values()))
+            inv_scale = 1.0 / float(grad_scaler._get_scale_async())
+        if found:
+            return None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad * inv_scale, alpha=-group["lr"])
+        return None
+
+
+@pytest.mark.parametrize("poison", [1.0, math.inf])
+def test_grad_scaler_kwarg_optimizers_work_as_with_torch(poison: float) -> None:
+    ours, theirs = _model(), _model()
+    results = []
+    for model, scaler in (
+        (ours, ShardedGradScaler("cpu", backend="local", init_scale=64.0)),
+        (theirs, torch.amp.GradScaler("cpu", init_scale=64.0)),
+    ):
+        opt = _ApexStyleSGD(model.parameters(), lr=0.1)
+        _backward(model, scaler, poison)
+        # Each scaler warns in its own words that this contract is being retired.
+        with pytest.warns(FutureWarning):
+            scaler.step(opt)
+        scaler.update()
+        results.append(scaler.get_scale())
+    assert results[0] == results[1] == (64.0 if poison == 1.0 else 32.0)
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_last_step_skipped_is_a_device_flag_and_a_schedule_can_ignore_skips() -> None:
+    model = _model()
+    lr = torch.tensor(0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # takes a tensor lr
+    scaler = ShardedGradScaler("cpu", backend="local", init_scale=64.0)
+    assert scaler.last_step_skipped is None
+    good_steps = torch.zeros((), dtype=torch.int64)
+    history = []
+    for step in range(5):
+        opt.zero_grad()
+        _backward(model, scaler, math.inf if step == 2 else 1.0)
+        scaler.step(opt)
+        scaler.update()
+        skipped = scaler.last_step_skipped
+        assert isinstance(skipped, torch.Tensor) and skipped.dtype is torch.bool
+        # The documented recipe: count only steps that happened, on device, no host read.
+        good_steps += (~skipped).to(torch.int64)
+        lr.copy_(1e-3 * torch.clamp(good_steps.to(torch.float32) / 3, max=1.0))
+        history.append((bool(skipped), float(lr)))
+    assert [s for s, _ in history] == [False, False, True, False, False]
+    # The skipped step did not advance the warm-up: lr after step 2 equals lr after step 1.
+    assert history[2][1] == history[1][1]
+    assert history[3][1] > history[2][1]
+
+
+def test_run_step_directly_on_plain_tensors() -> None:
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=gen) for n in (3, 50, 7)]
+    result = run_step(grads, _config(), apply=Apply.NOTHING, norm_type=2.0, as_grads=True)
+    exact = math.sqrt(math.fsum(v * v for g in grads for v in g.double().tolist()))
+    assert result.norm is not None and result.norm.dtype is torch.float32
+    # float32 accumulation of 60 squares: within (n + 8) ulps of the exact value.
+    assert abs(float(result.norm) - exact) <= 68 * torch.finfo(torch.float32).eps * exact
+    assert float(result.found_inf) == 0.0 and result.nonfinite_ranks() == ()
+    grads[1][5] = math.nan
+    result = run_step(grads, _config(), apply=Apply.NOTHING, norm_type=2.0, as_grads=True)
+    assert float(result.found_inf) == 1.0 and math.isnan(float(result.norm))  # type: ignore[arg-type]
+    assert result.nonfinite_ranks() == (0,)
+
+
+def test_run_step_refuses_what_it_cannot_do() -> None:
+    with pytest.raises(ValueError, match="needs the scale"):
+        run_step([], _config(), apply=Apply.UNSCALE)
+    meta = torch.nn.Parameter(torch.empty(2, device="meta"))
+    meta.grad = torch.empty(2, device="meta")
+    with pytest.raises(GradientDeviceError, match="meta"):
+        run_step([meta], _config(), apply=Apply.NOTHING, norm_type=2.0)
+
+
+def test_fsdp1_marked_parameters_are_not_plain() -> None:
+    from shardscale.core import PlainTensorAdapter, PluginNotFoundError, Registry
+
+    flat = torch.nn.Parameter(torch.ones(4))
+    flat._fsdp_flattened = True  # type: ignore[attr-defined]  # FSDP1's mark
+    assert not PlainTensorAdapter().claims(flat)
+    registry = Registry(load_entry_points=False)
+    registry.register(_CoreOnly(), name="core-only")
+    with pytest.raises(PluginNotFoundError, match="shardscale-fsdp"):
+        registry.adapter_for(flat)
+
+
+class _CoreOnly:
+    from shardscale.core import hookimpl
+
+    @hookimpl
+    def shardscale_grad_adapters(self) -> list[object]:
+        from shardscale.core import PlainTensorAdapter
+
+        return [PlainTensorAdapter()]
+
+
+def test_no_warning_in_an_ordinary_loop() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler("cpu", backend="local")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            opt.zero_grad()
+            _backward(model, scaler)
+            scaler.step(opt)
+            scaler.update()
