@@ -83,13 +83,15 @@ def test_quick_run_measures_every_arm(quick_run: tuple[Path, str]) -> None:
                     "faster", "slower", "no difference measured"
                 )  # fmt: skip
         assert row["aa"] == row["arms"]["torch_aa"]["ratio"]
+        assert set(row["streaming_vs_ours"]) == {"step", "post", "backward"}
     points = result["scaling"]["points"]
     assert [p["n_params"] for p in points] == [8, 16]
     for p in points:
         for arm in ("torch", "ours"):
             cold = p["arms"][arm]["cold_s"]
             assert len(cold) >= 3 and p["arms"][arm]["cold"]["min"] == min(cold)
-    for word in ("A/A", "torch again (A/A)", "scaling", "derived", str(out / "bench.json")):
+    for word in ("A/A", "torch again (A/A)", "ours + streaming / ours", "scaling", "derived",
+                 str(out / "bench.json")):  # fmt: skip
         assert word in stdout
     if have_matplotlib():
         assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

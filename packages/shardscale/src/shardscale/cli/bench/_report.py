@@ -22,7 +22,20 @@ __all__ = ["analyse", "format_markdown", "format_ranges", "format_table", "sanit
 
 _METRICS = ("step", "post", "backward")
 _LABEL = {"torch": "torch", "torch_aa": "torch again (A/A)", "ours": "ours",
-          "ours_streaming": "ours + streaming stats"}  # fmt: skip
+          "ours_streaming": "ours + streaming stats",
+          "streaming_vs_ours": "streaming / ours (not / torch)"}  # fmt: skip
+
+
+_VS = "streaming_vs_ours"
+
+
+def _ratios(row: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The ratios of arm ``name`` against torch, or of streaming against ours for ``_VS``."""
+    if name == _VS:
+        vs: dict[str, Any] | None = row.get(_VS)
+        return vs
+    arm = row["arms"].get(name)
+    return None if arm is None else arm.get("ratio")
 
 
 def analyse(result: dict[str, Any]) -> dict[str, Any]:
@@ -47,6 +60,15 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
             }
         if "torch_aa" in row["arms"]:
             row["aa"] = row["arms"]["torch_aa"]["ratio"]
+        if {"ours", "ours_streaming"} <= set(row["arms"]):
+            # With and without streaming statistics, paired by round: what the hooks buy.
+            row["streaming_vs_ours"] = {
+                m: ratio_interval(
+                    row["arms"]["ours_streaming"][f"{m}_ms"], row["arms"]["ours"][f"{m}_ms"],
+                    seed=cfg["seed"], resamples=cfg["resamples"],
+                ).as_dict()
+                for m in _METRICS
+            }  # fmt: skip
     return result
 
 
@@ -65,7 +87,10 @@ def write_json(result: dict[str, Any], path: Path) -> Path:
     """Write ``result`` to ``path`` atomically (a reader never sees half a file)."""
     text = json.dumps(sanitize(result), indent=1, allow_nan=False)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide the results from others
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
         os.replace(tmp, path)
@@ -153,6 +178,18 @@ def format_table(result: dict[str, Any]) -> str:
                     f"  {_mesh(row)} {row['optimizer']}: step {_ci(row['aa']['step'])}, "
                     f"post {_ci(row['aa']['post'])}"
                 )
+        lines += [
+            "",
+            "Streaming statistics against plain unscale_and_clip_ (ours + streaming / ours):",
+        ]
+        for row in result["rows"]:
+            if "streaming_vs_ours" in row:
+                sv = row["streaming_vs_ours"]
+                lines.append(
+                    f"  {_mesh(row)} {row['optimizer']}: step {_ci(sv['step'])} "
+                    f"{sv['step']['verdict']}, backward {_ci(sv['backward'])} "
+                    f"{sv['backward']['verdict']}, post {_ci(sv['post'])} {sv['post']['verdict']}"
+                )
     if result.get("scaling"):
         lines += ["", *_scaling_lines(result["scaling"])]
     return "\n".join(lines)
@@ -214,6 +251,16 @@ def format_markdown(result: dict[str, Any]) -> str:
                     f"{_num(arm['median_ms']['post'], '.2f')} | {post} | {arm['collectives']} | "
                     f"{_bytes(arm)} |"
                 )
+    vs_rows = [row for row in result.get("rows", []) if _VS in row]
+    if vs_rows:
+        out += ["", "With and without streaming statistics (ours + streaming / ours, paired):", ""]
+        for row in vs_rows:
+            sv = row[_VS]
+            out.append(
+                f"- {_mesh(row)} {row['optimizer']}: whole step {_ci(sv['step'])} "
+                f"{sv['step']['verdict']}; backward {_ci(sv['backward'])}; post {_ci(sv['post'])} "
+                f"{sv['post']['verdict']}"
+            )
     if result.get("scaling"):
         sc = result["scaling"]
         out += [
@@ -254,33 +301,38 @@ def format_ranges(results: Sequence[dict[str, Any]]) -> str:
     out = [
         f"Ranges over {len(results)} runs ({', '.join(str(r.get('started', '?')) for r in results)}):",
         "",
-        "| mesh | optimizer | arm | step ratio | step interval low-high | post ratio | post "
-        "interval low-high | verdicts (step; post) |",
+        "| mesh | optimizer | arm | step ratio | step intervals (union) | post ratio | post "
+        "intervals (union) | verdicts (step; post) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     keys: list[tuple[str, str, str]] = []
     for res in results:
         for row in res.get("rows", []):
-            for name in row["arms"]:
+            for name in [*row["arms"], _VS]:
                 if name != "torch" and (row["mesh"], row["optimizer"], name) not in keys:
                     keys.append((row["mesh"], row["optimizer"], name))
     for mesh, opt, name in keys:
-        arms = [
-            row["arms"][name]
+        ratios = [
+            r
             for res in results
             for row in res.get("rows", [])
-            if row["mesh"] == mesh and row["optimizer"] == opt and name in row["arms"]
+            if row["mesh"] == mesh and row["optimizer"] == opt
+            for r in [_ratios(row, name)]
+            if r is not None
         ]
-        r = [a["ratio"] for a in arms]
+        if not ratios:
+            continue
+        cells = []
+        for m in ("step", "post"):
+            lows = [r[m]["low"] for r in ratios if r[m]["low"] is not None]
+            highs = [r[m]["high"] for r in ratios if r[m]["high"] is not None]
+            union = f"[{_num(min(lows, default=None))}, {_num(max(highs, default=None))}]"
+            cells += [_span([r[m]["ratio"] for r in ratios]), union]
         verdicts = "; ".join(
-            "/".join(sorted({x[m]["verdict"] for x in r})) for m in ("step", "post")
+            "/".join(sorted({r[m]["verdict"] for r in ratios})) for m in ("step", "post")
         )
         out.append(
-            f"| {mesh} | {opt} | {_LABEL.get(name, name)} | {_span([x['step']['ratio'] for x in r])} | "
-            f"{_span([x['step']['low'] for x in r])} .. {_span([x['step']['high'] for x in r])} | "
-            f"{_span([x['post']['ratio'] for x in r])} | "
-            f"{_span([x['post']['low'] for x in r])} .. {_span([x['post']['high'] for x in r])} | "
-            f"{verdicts} |"
+            f"| {mesh} | {opt} | {_LABEL.get(name, name)} | {' | '.join(cells)} | {verdicts} |"
         )
     points: dict[int, list[dict[str, Any]]] = {}
     for res in results:
