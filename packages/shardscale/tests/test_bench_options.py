@@ -85,3 +85,19 @@ def test_from_json_refuses_files_that_are_not_results(
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
     assert main(["bench", "--from-json", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+def test_missing_plugins_are_named_before_starting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shardscale.core import reset_registry
+
+    monkeypatch.setenv("SHARDSCALE_DISABLE_PLUGINS", "fsdp")
+    reset_registry()
+    try:
+        assert main(["bench", "--quick", "--out", str(tmp_path / "o")]) == 2
+    finally:
+        monkeypatch.delenv("SHARDSCALE_DISABLE_PLUGINS")
+        reset_registry()
+    assert "shardscale-fsdp" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

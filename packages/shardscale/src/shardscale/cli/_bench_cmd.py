@@ -277,6 +277,9 @@ def run_bench(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
     _print_runs([result], args.markdown, out)
     print(f"\njson: {json_path}" + (f" and {extra}" if extra else ""), file=out)
     print(f"markdown: {out_dir / BENCH_MD}", file=out)
+    if not result.get("rows"):
+        print("no chart: the chart shows the timed rows, and this run has none", file=out)
+        return 0
     if not have_matplotlib():
         print(f"no chart: matplotlib is not installed ({UI_EXTRA_HINT})", file=out)
         return 0

@@ -43,8 +43,9 @@ def _count_collectives(arm: Arm, max_norm: float) -> dict[str, Any]:
     if arm.ours:
         from shardscale.collectives import CountingMiddleware, find_middleware
 
-        records = find_middleware(arm.scaler.backend, CountingMiddleware).records
-        records.clear()
+        counting = find_middleware(arm.scaler.backend, CountingMiddleware)
+        counting.reset()
+        records = counting.records
     with CommDebugMode() as comm:  # type: ignore[no-untyped-call]
         arm.post(max_norm)
     out["collectives_comm_debug_mode"] = int(comm.get_total_counts())

@@ -130,22 +130,25 @@ def _bytes(arm: dict[str, Any]) -> str:
 def _heading(result: dict[str, Any]) -> list[str]:
     cfg, env = result["config"], result["environment"]
     row0 = result["rows"][0] if result.get("rows") else None
-    rounds = f"{row0['rounds']} measured rounds per arm after {row0['warmup_rounds']} warm-up" \
-        if row0 else "no timed rows"  # fmt: skip
-    return [
-        f"shardscale bench ({result.get('started', '?')}): {cfg['n_params'] / 1e6:.1f}M-parameter "
-        f"FSDP2 model, world size {cfg['world_size']} over {env['collective_library']}, "
+    machine = (
+        f"world size {cfg['world_size']} over {env['collective_library']}, "
         f"{env['device']} ({env['machine']}, {env['cpu_count']} CPUs, load average "
         f"{env.get('load_average_start')} -> {env.get('load_average_end')}), torch {env['torch']}, "
-        f"{env['torch_num_threads']} thread(s) per rank",
-        f"{rounds}, arms in a balanced (Williams) order; step = forward + backward (hooks "
+        f"{env['torch_num_threads']} thread(s) per rank"
+    )
+    if row0 is None:
+        return [f"shardscale bench ({result.get('started', '?')}), scaling table only: {machine}"]
+    return [
+        f"shardscale bench ({result.get('started', '?')}): {cfg['n_params'] / 1e6:.1f}M-parameter "
+        f"FSDP2 model, {machine}",
+        f"{row0['rounds']} measured rounds per arm after {row0['warmup_rounds']} warm-up, arms in a balanced (Williams) order; step = forward + backward (hooks "
         "included) + post; post = unscale + clip + step + update; the slowest rank per round",
         f"ratio = median(arm) / median(torch), [95 % paired bootstrap interval, "
         f"{cfg['resamples']} resamples, seed {cfg['seed']}]; a ratio is called faster/slower only "
         "when its interval excludes 1",
         "coll. = collectives per step (ours: counting middleware, torch: CommDebugMode); grad "
         "MiB R/W = gradient memory read/written by post + step, counted per aten op on rank "
-        f"{row0.get('counts_from_rank', 0) if row0 else 0}",
+        f"{row0.get('counts_from_rank', 0)}",
     ]
 
 
