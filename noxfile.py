@@ -76,18 +76,22 @@ def tests_matrix(session: nox.Session, torch: str) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Clipping benchmark: torch's unscale_ + clip_grad_norm_ vs shardscale's unscale_and_clip_.
+    """The benchmark against torch (``shardscale bench``): about ten minutes on a 2-core CPU.
 
-    World size 2, gloo on CPU, a 33.6M-parameter FSDP2 model on 1-D and 2-D meshes; prints
-    the table and writes .nox/bench-clip.json. Extra arguments go to the benchmark, e.g.
-    ``nox -s bench -- --device cuda`` or ``-- --help``.
+    World size 2, gloo on CPU: torch's recipe, torch again (A/A), unscale_and_clip_ and
+    unscale_and_clip_ with streaming statistics, interleaved in a balanced order on 1-D and 2-D
+    meshes, then the scaling table. Prints the tables; writes .nox/bench/bench.{json,md,png}.
+    Extra arguments go to ``shardscale bench``, e.g. ``nox -s bench -- --quick`` or
+    ``-- --from-json a.json b.json c.json --markdown`` (tables and ranges of earlier runs).
     """
     _install_torch(session, os.environ.get("SHARDSCALE_TORCH", DEFAULT_TORCH))
-    session.install(*_package_dirs(), str(ROOT / "packages" / "shardscale-clip") + "[bench]")
+    # The shardscale distribution carries the benchmark; its ui extra draws the chart.
+    others = [d for d in _package_dirs() if not d.endswith(f"{os.sep}shardscale")]
+    session.install(*others, str(ROOT / "packages" / "shardscale") + "[ui]")
     args = list(session.posargs)
-    if not any(a == "--json" or a.startswith("--json=") for a in args):
-        args += ["--json", str(ROOT / ".nox" / "bench-clip.json")]
-    session.run("python", "-m", "shardscale.clip._bench", *args)
+    if not any(a == "--out" or a.startswith("--out=") for a in args):
+        args += ["--out", str(ROOT / ".nox" / "bench")]
+    session.run("shardscale", "bench", *args)
 
 
 @nox.session(python=PYTHON)

@@ -1,0 +1,174 @@
+"""One (mesh, optimizer) configuration on one rank: interleaved timed steps, then the counts.
+
+[Note: what is timed]
+Every round runs each arm once, in the balanced order of ``_order``. A step
+is timed as forward + backward (hooks of streaming statistics included, they
+run inside backward) plus post-processing (unscale, clip, step, update); a
+barrier between the two, so that all ranks start post-processing together,
+is not timed. Each rank records its own times; the slowest rank's time is
+kept per round and arm. After the timed rounds, untimed steps count
+collectives (torch's ``CommDebugMode`` for every arm, the ``counting``
+middleware for ours) and gradient bytes (``_bytes``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from shardscale.cli.bench._arms import Arm, make_arms
+from shardscale.cli.bench._bytes import GradBytesCounter, local_tensor
+from shardscale.cli.bench._config import BenchConfig, mesh_shape
+from shardscale.cli.bench._order import balanced_order, rounds_for
+from shardscale.cli.bench._workload import Net
+
+__all__ = ["COUNTING_MAX_NORM", "run_config"]
+
+#: max_norm of the step in which bytes are counted: far below any gradient norm, so the
+#: clipping coefficient is < 1 and every write changes bits (see [Note: counting gradient bytes]).
+COUNTING_MAX_NORM = 1e-6
+
+
+def _local_grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
+
+
+def _count_collectives(arm: Arm, max_norm: float) -> dict[str, Any]:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    out: dict[str, Any] = {}
+    records = None
+    if arm.ours:
+        from shardscale.collectives import CountingMiddleware, find_middleware
+
+        counting = find_middleware(arm.scaler.backend, CountingMiddleware)
+        counting.reset()
+        records = counting.records
+    with CommDebugMode() as comm:  # type: ignore[no-untyped-call]
+        arm.post(max_norm)
+    out["collectives_comm_debug_mode"] = int(comm.get_total_counts())
+    out["collectives_counting_middleware"] = None if records is None else len(records)
+    out["collectives"] = len(records) if records is not None else out["collectives_comm_debug_mode"]
+    out["collectives_counted_with"] = "counting middleware" if arm.ours else "CommDebugMode"
+    return out
+
+
+def _count_bytes(arm: Arm, loss_of: Any) -> dict[str, Any]:
+    """Bytes of gradient memory touched by post-processing + step (and by backward hooks)."""
+    arm.opt.zero_grad(set_to_none=True)
+    hooks = GradBytesCounter(active=False)
+    handles = []
+    if arm.stream is not None:
+        # Bracket the streaming hooks with ours: enter before them, leave after them.
+        def enter(param: torch.Tensor) -> None:
+            if param.grad is not None:
+                hooks.add([param.grad])
+            hooks.active = True
+
+        def leave(param: torch.Tensor) -> None:
+            hooks.active = False
+
+        params = list(arm.model.parameters())
+        handles += [p.register_post_accumulate_grad_hook(enter) for p in params]  # type: ignore[no-untyped-call]
+        arm.restream()
+        handles += [p.register_post_accumulate_grad_hook(leave) for p in params]  # type: ignore[no-untyped-call]
+    with hooks:
+        arm.scaler.scale(loss_of(arm)).backward()
+    for handle in handles:
+        handle.remove()
+    with GradBytesCounter(_local_grads(arm.model)) as post:
+        arm.post(COUNTING_MAX_NORM)
+    return {
+        "grad_bytes_read": post.read,
+        "grad_bytes_written": post.written,
+        "grad_bytes_read_in_backward_hooks": hooks.read,
+        "grad_bytes_by_op": {
+            op: [post.by_op.get(op, 0), post.by_op_written.get(op, 0)]
+            for op in sorted(set(post.by_op) | set(post.by_op_written))
+        },
+    }
+
+
+def run_config(cfg: BenchConfig, mesh_kind: str, opt_name: str) -> dict[str, Any]:
+    """Time every arm on one mesh and optimizer; the result is the same on every rank."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    shape = mesh_shape(mesh_kind, world)
+    device = (
+        torch.device(cfg.device, torch.cuda.current_device())
+        if cfg.device == "cuda"
+        else torch.device("cpu")
+    )
+    torch.manual_seed(0)
+    base = Net(width=cfg.width, hidden=cfg.hidden, blocks=cfg.blocks).to(device)
+    names = cfg.arms()
+    arms, dp_rank = make_arms(names, base, shape, opt_name, device=cfg.device, backend=cfg.backend)
+    del base
+
+    def batch(step: int) -> torch.Tensor:
+        # The same data for every arm in a round; each dp rank its own.
+        gen = torch.Generator().manual_seed(1000 * step + dp_rank)
+        return torch.randn(cfg.batch, cfg.width, generator=gen).to(device)
+
+    def sync() -> None:
+        if cfg.device == "cuda":
+            torch.cuda.synchronize()
+
+    def loss_for(step: int) -> Any:
+        return lambda arm: arm.model(batch(step)).float().pow(2).mean()
+
+    # Warm-up needs no balance; any run of whole cycles after it is balanced (the design is cyclic).
+    warm = cfg.warmup
+    measured = rounds_for(cfg.steps, len(arms))
+    order = balanced_order(len(arms), warm + measured)
+    # [arm, round, (forward+backward, post, whole step)] in seconds, this rank.
+    times = torch.zeros(len(arms), measured, 3, dtype=torch.float64)
+    for rnd, row in enumerate(order):
+        for index in row:
+            arm = arms[index]
+            dist.barrier()
+            sync()
+            start = time.perf_counter()
+            arm.opt.zero_grad(set_to_none=True)
+            arm.scaler.scale(loss_for(rnd)(arm)).backward()
+            sync()
+            backward_end = time.perf_counter()
+            dist.barrier()  # ranks start post-processing together; not timed
+            post_start = time.perf_counter()
+            arm.post(cfg.max_norm)
+            sync()
+            end = time.perf_counter()
+            if rnd >= warm:
+                fb, post = backward_end - start, end - post_start
+                times[index, rnd - warm] = torch.tensor([fb, post, fb + post], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    out: dict[str, Any] = {
+        "mesh": mesh_kind,
+        "mesh_shape": list(shape),
+        "mesh_dims": ["dp"] if len(shape) == 1 else ["dp", "tp"],
+        "optimizer": opt_name,
+        "warmup_rounds": warm,
+        "rounds": measured,
+        "order_first_rounds": [
+            [names[i] for i in row] for row in order[warm : warm + 2 * len(arms)]
+        ],
+        "counts_from_rank": dist.get_rank(),
+        "arms": {},
+    }
+    step_after = warm + measured
+    for i, arm in enumerate(arms):
+        rec: dict[str, Any] = {
+            "backward_ms": (times[i, :, 0] * 1e3).tolist(),
+            "post_ms": (times[i, :, 1] * 1e3).tolist(),
+            "step_ms": (times[i, :, 2] * 1e3).tolist(),
+        }
+        arm.opt.zero_grad(set_to_none=True)
+        arm.scaler.scale(loss_for(step_after)(arm)).backward()
+        rec.update(_count_collectives(arm, cfg.max_norm))
+        rec.update(_count_bytes(arm, loss_for(step_after + 1)))
+        out["arms"][arm.name] = rec
+    out["local_grad_bytes"] = sum(g.numel() * g.element_size() for g in _local_grads(arms[0].model))
+    return out
