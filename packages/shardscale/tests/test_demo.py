@@ -87,6 +87,20 @@ def test_demo_without_rich_and_matplotlib_still_trains(run_cli, tmp_path: Path) 
     assert "no plot: matplotlib is not installed" in proc.stdout
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_timeout_stops_every_rank_and_says_what_to_try(run_cli, tmp_path: Path) -> None:
+    out = tmp_path / "slow"
+    proc = run_cli(["demo", "--timeout", "3", "--out", str(out), "--device", "cpu"], timeout=100)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert "did not finish in 3 s (--timeout)" in line
+    # Where the ranks were, and the levers: fewer steps, bf16, a longer timeout.
+    assert "rank 0" in line and "rank 1" in line
+    assert "--steps" in line and "--precision bf16" in line and "--timeout 9" in line
+    assert not (out / "metrics.json").exists()
+
+
 def test_unknown_backend_fails_before_starting_processes(run_cli, tmp_path: Path) -> None:
     out = tmp_path / "bad"
     proc = run_cli(["demo", "--backend", "no-such-backend", "--out", str(out)], timeout=60)

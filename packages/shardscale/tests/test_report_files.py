@@ -11,6 +11,7 @@ from shardscale.cli._options import prepare_out
 from shardscale.cli._rankstatus import (
     RankStatus,
     RankStatusWriter,
+    describe_every_rank,
     describe_ranks,
     read_rank_status,
 )
@@ -122,6 +123,9 @@ def test_rank_status_round_trip_and_description(tmp_path: Path) -> None:
     r0.update("training", 9)
     assert describe_ranks(read_rank_status(tmp_path, 2)) == (
         "slowest: rank 1 step 2/10 (rank 0 at 9)"
+    )
+    assert describe_every_rank(read_rank_status(tmp_path, 2)) == (
+        "rank 0 step 9/10, rank 1 step 2/10"
     )
     (tmp_path / "rank1.progress").write_text("{half a li")  # unreadable: treated as unknown
     assert read_rank_status(tmp_path, 2)[1] is None

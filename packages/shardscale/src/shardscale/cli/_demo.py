@@ -208,7 +208,7 @@ def run_demo(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
 def _timeout_hint(args: argparse.Namespace, cfg: TrainConfig) -> str:
     tips = [f"--steps {max(1, cfg.steps // 3)}"]
     if cfg.precision == "fp16":
-        tips.append("--precision bf16 (fp16 matmuls are slow on CPU)")
+        tips.append("--precision bf16 (much faster than fp16 on CPU)")
     tips += [f"--context {max(8, cfg.context // 2)}", f"--timeout {args.timeout * 3:.0f}"]
     return "try " + ", ".join(tips)
 
@@ -223,7 +223,7 @@ def _follow(
     out_stream: TextIO,
     use_rich: bool,
 ) -> int:
-    from shardscale.cli._rankstatus import describe_ranks, read_rank_status
+    from shardscale.cli._rankstatus import describe_every_rank, describe_ranks, read_rank_status
     from shardscale.cli._report import METRICS_FILE, render_report
     from shardscale.cli._ui import ProgressView
     from shardscale.cli.train import EVENT_PREFIX
@@ -245,15 +245,14 @@ def _follow(
                 print(f"error: rank {rank} exited with status {code}; last lines of {log}:\n"
                       f"{_tail(log)}", file=sys.stderr)  # fmt: skip
                 return 1
-            ranks = describe_ranks(read_rank_status(logs, len(procs)))
+            statuses = read_rank_status(logs, len(procs))
             if time.monotonic() > deadline:
                 view.close()
-                where = ranks or "every rank at the same step"
                 print(f"error: the demo did not finish in {args.timeout:g} s (--timeout) "
-                      f"[{where}]; stopped every rank (logs: {logs}); "
+                      f"[{describe_every_rank(statuses)}]; stopped every rank (logs: {logs}); "
                       f"{_timeout_hint(args, cfg)}", file=sys.stderr)  # fmt: skip
                 return 1
-            view.ranks(ranks)
+            view.ranks(describe_ranks(statuses))
             try:
                 line = lines.get(timeout=0.2)
             except queue.Empty:

@@ -20,7 +20,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RankStatus", "RankStatusWriter", "describe_ranks", "read_rank_status", "status_file"]
+__all__ = [
+    "RankStatus",
+    "RankStatusWriter",
+    "describe_every_rank",
+    "describe_ranks",
+    "read_rank_status",
+    "status_file",
+]
 
 
 def status_file(directory: Path, rank: int) -> Path:
@@ -78,6 +85,11 @@ def read_rank_status(directory: Path, world_size: int) -> list[RankStatus | None
     return found
 
 
+def describe_every_rank(statuses: list[RankStatus | None]) -> str:
+    """Every rank's phase and step, e.g. ``rank 0 step 5/200, rank 1 starting``."""
+    return ", ".join(str(s) if s else f"rank {i} starting" for i, s in enumerate(statuses))
+
+
 def describe_ranks(statuses: list[RankStatus | None]) -> str:
     """A short text naming the slowest rank, or every rank while they are not all training.
 
@@ -94,4 +106,4 @@ def describe_ranks(statuses: list[RankStatus | None]) -> str:
         if fastest.step - slowest.step < 2:
             return ""
         return f"slowest: {slowest} (rank {fastest.rank} at {fastest.step})"
-    return ", ".join(str(s) if s else f"rank {i} starting" for i, s in enumerate(statuses))
+    return describe_every_rank(statuses)

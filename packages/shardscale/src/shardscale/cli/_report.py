@@ -61,7 +61,9 @@ def finite_or_none(doc: Any) -> Any:
     overflowed step an inf gradient norm. Every file and event the demo writes
     stores them as ``null`` ("no finite value"); readers treat ``null`` as
     not-a-number. Which non-finite value it was is not kept: for a loss or a
-    norm the difference carries no meaning a reader could act on.
+    norm the difference carries no meaning a reader could act on. The one
+    non-finite setting, ``max_norm = inf`` (measure, never clip), is also
+    ``null`` in the ``config`` section: read it as "no clipping".
     """
     if isinstance(doc, float):
         return doc if math.isfinite(doc) else None
