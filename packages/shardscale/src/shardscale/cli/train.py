@@ -31,7 +31,7 @@ import torch
 
 from shardscale.cli._trainer import TrainConfig, size_defaults
 
-__all__ = ["EVENT_PREFIX", "build_parser", "config_from_args", "main"]
+__all__ = ["EVENT_PREFIX", "build_parser", "check_args", "config_from_args", "main"]
 
 #: Lines on rank 0's stdout starting with this carry JSON events for ``shardscale demo``.
 EVENT_PREFIX = "@@shardscale-event "
