@@ -22,6 +22,7 @@ nox.options.error_on_missing_interpreters = True
 ROOT = Path(__file__).parent
 PYTHON = "3.11"
 DEFAULT_TORCH = "2.13.0"
+# The oldest entry is the floor every pyproject declares (torch>=2.13); test_packaging checks it.
 TORCH_VERSIONS = ["2.13.0", "2.14.1"]
 # Order matters for the isolated session only in that core comes first.
 DISTS = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -23,9 +24,18 @@ def _read(path: Path) -> dict:
 @pytest.mark.timeout(240)
 def test_demo_loss_falls_and_plot_exists(run_cli, tmp_path: Path) -> None:
     out = tmp_path / "run"
+    # Left-overs of an earlier, bigger run in the same folder must not survive into this one.
+    (out / "logs").mkdir(parents=True)
+    for stale in ("result-rank3.json", "metrics.json", "training.png", "logs/rank3.log"):
+        (out / stale).write_text("stale")
+    (out / "notes.txt").write_text("mine")
     proc = run_cli(["demo", "--steps", "10", "--out", str(out), "--device", "cpu", *FAST],
                    timeout=200)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in out.glob("result-rank*.json")) == [
+        "result-rank0.json", "result-rank1.json"
+    ]  # fmt: skip
+    assert not (out / "logs" / "rank3.log").exists() and (out / "notes.txt").read_text() == "mine"
     metrics = _read(out / "metrics.json")
     losses = [h["loss"] for h in metrics["history"]]
     assert len(losses) == 10 and all(math.isfinite(v) for v in losses)
@@ -52,6 +62,15 @@ def test_demo_loss_falls_and_plot_exists(run_cli, tmp_path: Path) -> None:
         assert h["scale"] > 0 and isinstance(h["skipped"], bool)
         # A skipped step is one whose gradients overflowed: its norm is inf/nan (stored as null).
         assert (h["grad_norm"] is None) == h["skipped"], h
+    # The default initial scale is high on purpose: fp16 gradients really overflow at first,
+    # each overflow skips the step and halves the scale for the next one.
+    history = metrics["history"]
+    assert history[0]["skipped"], "the first fp16 step at the default scale should overflow"
+    for before, after in itertools.pairwise(history):
+        if before["skipped"]:
+            assert after["scale"] == before["scale"] / 2, (before, after)
+    assert metrics["summary"]["scale_backoffs"] >= metrics["summary"]["skipped_steps"] >= 1
+    assert "backoffs" in proc.stdout and "demo wall time:" in proc.stdout
 
 
 @pytest.mark.multiprocess
@@ -66,6 +85,20 @@ def test_demo_without_rich_and_matplotlib_still_trains(run_cli, tmp_path: Path) 
     assert (out / "metrics.json").exists()
     assert not (out / "training.png").exists()
     assert "no plot: matplotlib is not installed" in proc.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_timeout_stops_every_rank_and_says_what_to_try(run_cli, tmp_path: Path) -> None:
+    out = tmp_path / "slow"
+    proc = run_cli(["demo", "--timeout", "3", "--out", str(out), "--device", "cpu"], timeout=100)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert "did not finish in 3 s (--timeout)" in line
+    # Where the ranks were, and the levers: fewer steps, bf16, a longer timeout.
+    assert "rank 0" in line and "rank 1" in line
+    assert "--steps" in line and "--precision bf16" in line and "--timeout 9" in line
+    assert not (out / "metrics.json").exists()
 
 
 def test_unknown_backend_fails_before_starting_processes(run_cli, tmp_path: Path) -> None:

@@ -108,6 +108,28 @@ def test_script_runs_standalone_as_one_process(run_cli, tmp_path: Path) -> None:
     assert "launched by standalone" in proc.stdout
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_diverged_run_reports_nan_instead_of_crashing(run_cli, tmp_path: Path) -> None:
+    # An absurd learning rate drives the weights to where fp16 logits overflow: the loss
+    # becomes nan. The run must still finish and write strict JSON, with null for nan.
+    proc = run_cli(["--steps", "6", "--context", "16", "--batch-size", "2", "--d-model", "16",
+                    "--lr", "1e6", "--init-scale", "1024", "--max-norm", "inf",
+                    "--sample-chars", "0", "--out", str(tmp_path), "--progress", "plain",
+                    "--device", "cpu"], module="shardscale.cli.train", timeout=150)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+
+    def strict(name: str) -> object:
+        raise AssertionError(f"{name} in JSON")
+
+    metrics = json.loads((tmp_path / "metrics.json").read_text(), parse_constant=strict)
+    assert metrics["summary"]["final_loss"] is None
+    assert metrics["history"][-1]["loss"] is None
+    assert math.isfinite(metrics["history"][0]["loss"])
+    assert "-> nan" in proc.stdout
+
+
 def test_script_refuses_a_half_set_launch_environment(run_cli, tmp_path: Path) -> None:
     proc = run_cli(["--steps", "1", "--out", str(tmp_path)], module="shardscale.cli.train",
                    env={"RANK": "0"}, timeout=60)  # fmt: skip

@@ -25,12 +25,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any, TextIO
 
-__all__ = ["add_demo_parser", "run_demo"]
+from shardscale.cli._report import LOGS_DIR
+from shardscale.cli._trainer import TrainConfig
+
+__all__ = ["DEFAULT_TIMEOUT_S", "add_demo_parser", "run_demo"]
+
+
+#: Default ``--timeout``: several times the CPU demo's minute or so, for a loaded machine.
+DEFAULT_TIMEOUT_S = 300.0
 
 
 def add_demo_parser(sub: Any) -> argparse.ArgumentParser:
     """Register the ``demo`` subcommand."""
-    from shardscale.cli._trainer import TrainConfig
     from shardscale.cli.train import add_training_options
 
     p: argparse.ArgumentParser = sub.add_parser(
@@ -38,7 +44,8 @@ def add_demo_parser(sub: Any) -> argparse.ArgumentParser:
         help="train a small transformer on 2 local processes and plot it",
         description="Train a small decoder-only transformer on Shakespeare's Sonnets, "
         "FSDP2-sharded over local processes, with fp16 autocast, ShardedGradScaler and "
-        "unscale_and_clip_. Shows progress, a summary table, and writes a PNG plot.",
+        "unscale_and_clip_. Shows progress, a summary table, and writes a PNG plot. "
+        "About a minute on 2 CPU cores; sized bigger when CUDA is present.",
     )
     p.add_argument(
         "--world-size",
@@ -46,12 +53,12 @@ def add_demo_parser(sub: Any) -> argparse.ArgumentParser:
         default=None,
         help="number of processes (default 2, or the size --mesh asks for)",
     )
-    add_training_options(p, TrainConfig())
+    add_training_options(p)
     p.add_argument(
         "--timeout",
         type=float,
-        default=1800.0,
-        help="stop every rank after this many seconds (default 1800)",
+        default=DEFAULT_TIMEOUT_S,
+        help=f"stop every rank after this many seconds (default {DEFAULT_TIMEOUT_S:.0f})",
     )
     p.add_argument(
         "--plain", action="store_true", help="plain text output even if rich is installed"
@@ -61,58 +68,40 @@ def add_demo_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def _world_size(args: argparse.Namespace) -> int:
-    from shardscale.cli._distributed import mesh_shape, parse_mesh
+    from shardscale.cli._distributed import mesh_shape
+    from shardscale.cli._options import check_world_size
 
     if args.world_size is not None:
-        if args.world_size < 1:
-            raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
-        parse_mesh(args.mesh, args.world_size)  # a mismatch names both numbers
-        return int(args.world_size)
-    return mesh_shape(args.mesh).size if args.mesh else 2
+        return check_world_size(int(args.world_size))  # a mesh mismatch: check_mesh names both
+    if args.mesh and args.mesh.strip():
+        return mesh_shape(args.mesh).size
+    return 2
 
 
-def _check_backend(spec: str | None) -> None:
-    if spec is None:
-        return
-    from shardscale.core import get_registry
+def _device(args: argparse.Namespace, world_size: int) -> str:
+    import torch
 
-    reg = get_registry()
-    *middle, last = [p.strip() for p in spec.split("+")]
-    known_backends, known_mw = reg.names("backend"), reg.names("middleware")
-    bare = last.rpartition(":")[2]
-    if bare not in known_backends:
-        raise ValueError(
-            f"--backend {spec!r}: no backend named {last!r}. Installed backends: "
-            f"{', '.join(known_backends) or '(none)'}; middleware: {', '.join(known_mw) or '(none)'}. "
-            "Run 'shardscale plugins' to see what is usable here."
-        )
-    unusable = [i for i in reg.items() if i.kind == "backend" and i.name == bare and not i.usable]
-    if unusable:
-        raise ValueError(
-            f"--backend {spec!r}: {bare!r} cannot run here: {unusable[0].reason}. "
-            "Run 'shardscale plugins' to see what is usable."
-        )
-    for name in middle:
-        if name.rpartition(":")[2] not in known_mw:
+    device: str = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":
+        n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if world_size > n_gpu:
             raise ValueError(
-                f"--backend {spec!r}: no middleware named {name!r}. Installed middleware: "
-                f"{', '.join(known_mw) or '(none)'}."
+                f"--device cuda with {world_size} processes needs {world_size} GPUs; this "
+                f"machine has {n_gpu}. Pass --world-size {max(1, n_gpu)} or --device cpu."
             )
-    if bare == "local":
-        raise ValueError(
-            "--backend local reduces nothing across processes and would let ranks disagree; "
-            "use c10d (or leave --backend unset) for the demo"
-        )
+    return device
 
 
-def _forwarded(args: argparse.Namespace, out: Path) -> list[str]:
+def _forwarded(args: argparse.Namespace, cfg: TrainConfig, out: Path) -> list[str]:
+    # The resolved config, not the raw options: every rank runs exactly what was checked.
     flags = [
-        "--steps", str(args.steps), "--precision", args.precision,
-        "--out", str(out), "--batch-size", str(args.batch_size),
-        "--context", str(args.context), "--lr", repr(args.lr),
-        "--max-norm", repr(args.max_norm), "--growth-interval", str(args.growth_interval),
-        "--init-scale", repr(args.init_scale), "--seed", str(args.seed),
-        "--sample-chars", str(args.sample_chars),
+        "--steps", str(cfg.steps), "--precision", cfg.precision,
+        "--out", str(out), "--batch-size", str(cfg.batch_size),
+        "--context", str(cfg.context), "--d-model", str(cfg.d_model),
+        "--layers", str(cfg.n_layers), "--heads", str(cfg.n_heads), "--lr", repr(cfg.lr),
+        "--max-norm", repr(cfg.max_norm), "--growth-interval", str(cfg.growth_interval),
+        "--init-scale", repr(cfg.init_scale), "--seed", str(cfg.seed),
+        "--sample-chars", str(cfg.sample_chars), "--progress-dir", str(out / LOGS_DIR),
     ]  # fmt: skip
     if args.backend:
         flags += ["--backend", args.backend]
@@ -150,32 +139,30 @@ def _tail(path: Path, n: int = 40) -> str:
 
 
 def run_demo(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
-    """Run the demo; returns the exit status (0 when every rank finished)."""
-    import torch
+    """Run the demo; returns the exit status (0 when every rank finished).
 
+    Every option is checked before the output folder is touched or a process
+    starts (see [Note: refuse before acting] in ``_options``).
+    """
     from shardscale.cli._distributed import free_port
+    from shardscale.cli._options import check_timeout, prepare_out
     from shardscale.cli._ui import UI_EXTRA_HINT, have_matplotlib, have_rich
-    from shardscale.cli.train import config_from_args
+    from shardscale.cli.train import check_args
 
     out_stream = stream if stream is not None else sys.stdout
+    started = time.monotonic()
+    out: Path = args.out.resolve()
     try:
         world_size = _world_size(args)
-        config_from_args(args)  # bad numbers fail here, before any process starts
-        _check_backend(args.backend)
+        device = _device(args, world_size)
+        cfg = check_args(args, device=device, world_size=world_size)
+        check_timeout(args.timeout)
+        prepare_out(out, logs=True)  # the first change on disk, after every check
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda":
-        n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if world_size > n_gpu:
-            print(f"error: --device cuda with {world_size} processes needs {world_size} GPUs; "
-                  f"this machine has {n_gpu}. Pass --world-size {max(1, n_gpu)} or --device cpu.",
-                  file=sys.stderr)  # fmt: skip
-            return 2
-    out: Path = args.out.resolve()
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = out / LOGS_DIR
+    logs.mkdir(exist_ok=True)
     use_rich = have_rich() and not args.plain and out_stream.isatty()
     if not (have_rich() and have_matplotlib()):
         print(f"note: plain output and no plot because rich/matplotlib are not installed; "
@@ -187,9 +174,10 @@ def run_demo(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
         LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", OMP_NUM_THREADS=str(threads),
         SHARDSCALE_LAUNCHER="shardscale demo", PYTHONUNBUFFERED="1",
     )  # fmt: skip
-    flags = _forwarded(args, out)
+    flags = _forwarded(args, cfg, out)
     print(f"shardscale demo: {world_size} processes on {device} "
-          f"({'NCCL' if device == 'cuda' else 'gloo'}), output in {out}", file=out_stream, flush=True)  # fmt: skip
+          f"({'NCCL' if device == 'cuda' else 'gloo'}), {cfg.precision}, {cfg.steps} steps, "
+          f"output in {out}", file=out_stream, flush=True)  # fmt: skip
     procs: list[subprocess.Popen[Any]] = []
     log_files: list[IO[str]] = []
     try:
@@ -203,7 +191,11 @@ def run_demo(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
                 cmd, env=env, stdout=subprocess.PIPE if rank == 0 else log, stderr=log,
                 text=True, bufsize=1,
             ))  # fmt: skip
-        return _follow(procs, log_files[0], logs, args, out_stream, use_rich)
+        status = _follow(procs, log_files[0], logs, args, cfg, out, out_stream, use_rich)
+        if status == 0:
+            print(f"demo wall time: {time.monotonic() - started:.1f} s (start-up included)",
+                  file=out_stream, flush=True)  # fmt: skip
+        return status
     except KeyboardInterrupt:
         print("interrupted: stopping every rank", file=sys.stderr)
         return 130
@@ -213,14 +205,25 @@ def run_demo(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
             log.close()
 
 
+def _timeout_hint(args: argparse.Namespace, cfg: TrainConfig) -> str:
+    tips = [f"--steps {max(1, cfg.steps // 3)}"]
+    if cfg.precision == "fp16":
+        tips.append("--precision bf16 (much faster than fp16 on CPU)")
+    tips += [f"--context {max(8, cfg.context // 2)}", f"--timeout {args.timeout * 3:.0f}"]
+    return "try " + ", ".join(tips)
+
+
 def _follow(
     procs: list[subprocess.Popen[Any]],
     rank0_log: IO[str],
     logs: Path,
     args: argparse.Namespace,
+    cfg: TrainConfig,
+    out: Path,
     out_stream: TextIO,
     use_rich: bool,
 ) -> int:
+    from shardscale.cli._rankstatus import describe_every_rank, describe_ranks, read_rank_status
     from shardscale.cli._report import METRICS_FILE, render_report
     from shardscale.cli._ui import ProgressView
     from shardscale.cli.train import EVENT_PREFIX
@@ -230,7 +233,7 @@ def _follow(
     threading.Thread(target=_reader, args=(procs[0].stdout, lines), daemon=True).start()
     deadline = time.monotonic() + args.timeout
     eof = False
-    with ProgressView(args.steps, use_rich=use_rich, stream=out_stream) as view:
+    with ProgressView(cfg.steps, use_rich=use_rich, stream=out_stream) as view:
         while not (eof and all(p.poll() is not None for p in procs)):
             failed = next(
                 ((r, p.returncode) for r, p in enumerate(procs) if p.poll() not in (None, 0)), None
@@ -242,11 +245,14 @@ def _follow(
                 print(f"error: rank {rank} exited with status {code}; last lines of {log}:\n"
                       f"{_tail(log)}", file=sys.stderr)  # fmt: skip
                 return 1
+            statuses = read_rank_status(logs, len(procs))
             if time.monotonic() > deadline:
                 view.close()
-                print(f"error: the demo did not finish in {args.timeout:.0f} s (--timeout); "
-                      f"stopping every rank. Logs: {logs}", file=sys.stderr)  # fmt: skip
+                print(f"error: the demo did not finish in {args.timeout:g} s (--timeout) "
+                      f"[{describe_every_rank(statuses)}]; stopped every rank (logs: {logs}); "
+                      f"{_timeout_hint(args, cfg)}", file=sys.stderr)  # fmt: skip
                 return 1
+            view.ranks(describe_ranks(statuses))
             try:
                 line = lines.get(timeout=0.2)
             except queue.Empty:
@@ -261,11 +267,9 @@ def _follow(
                     view.update(step=event["step"], loss=event["loss"], scale=event["scale"],
                                 grad_norm=event["grad_norm"], skipped=event["skipped"],
                                 skipped_total=event["skipped_total"])  # fmt: skip
-    metrics = args.out.resolve() / METRICS_FILE
+    metrics = out / METRICS_FILE
     if not metrics.exists():
         print(f"error: training finished without writing {metrics}; see {logs}", file=sys.stderr)
         return 1
-    render_report(
-        json.loads(metrics.read_text(encoding="utf-8")), metrics.parent, stream=out_stream
-    )
+    render_report(json.loads(metrics.read_text(encoding="utf-8")), out, stream=out_stream)
     return 0

@@ -60,9 +60,9 @@ def _torch_checks() -> Iterator[Finding]:
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
     if torch.version.hip:
         build = f"ROCm {torch.version.hip}"
-    if base < (2, 11):
-        yield Finding("torch", "error", f"torch {version} ({build}) is older than 2.11",
-                      "pip install 'torch>=2.11'")  # fmt: skip
+    if base < (2, 13):
+        yield Finding("torch", "error", f"torch {version} ({build}) is older than 2.13 (the oldest tested)",
+                      "pip install 'torch>=2.13'")  # fmt: skip
     else:
         yield Finding("torch", "ok", f"torch {version} ({build})")
     import torch.distributed as dist

@@ -6,6 +6,7 @@ file to draw the report in the launching process.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -15,10 +16,21 @@ from typing import Any, TextIO
 
 from shardscale.cli._ui import UI_EXTRA_HINT, have_matplotlib, print_table
 
-__all__ = ["METRICS_FILE", "PLOT_FILE", "result_file", "write_json", "render_report"]
+__all__ = [
+    "METRICS_FILE",
+    "PLOT_FILE",
+    "LOGS_DIR",
+    "result_file",
+    "output_files",
+    "finite_or_none",
+    "scale_changes",
+    "write_json",
+    "render_report",
+]
 
 METRICS_FILE = "metrics.json"
 PLOT_FILE = "training.png"
+LOGS_DIR = "logs"
 
 
 def result_file(out_dir: Path, rank: int) -> Path:
@@ -26,19 +38,73 @@ def result_file(out_dir: Path, rank: int) -> Path:
     return out_dir / f"result-rank{rank}.json"
 
 
+def output_files(out_dir: Path, *, logs: bool) -> list[Path]:
+    """The files a run writes in ``out_dir`` that exist now (left-overs of an earlier run).
+
+    ``logs`` adds ``logs/rank*`` (the demo's per-rank logs and progress files).
+    Half-written ``*.tmp`` files count too. Nothing else in the folder is listed.
+    """
+    patterns = [METRICS_FILE, PLOT_FILE, "result-rank*.json", "*.json.tmp"]
+    if logs:
+        patterns += [f"{LOGS_DIR}/rank*.log", f"{LOGS_DIR}/rank*.progress*"]
+    found: list[Path] = []
+    for pattern in patterns:
+        found += [p for p in sorted(out_dir.glob(pattern)) if p.is_file()]
+    return found
+
+
+def finite_or_none(doc: Any) -> Any:
+    """``doc`` with every non-finite float (nan, inf, -inf) replaced by ``None``.
+
+    [Note: non-finite numbers in JSON]
+    Strict JSON has no NaN or Infinity, and a diverged run has a nan loss, an
+    overflowed step an inf gradient norm. Every file and event the demo writes
+    stores them as ``null`` ("no finite value"); readers treat ``null`` as
+    not-a-number. Which non-finite value it was is not kept: for a loss or a
+    norm the difference carries no meaning a reader could act on. The one
+    non-finite setting, ``max_norm = inf`` (measure, never clip), is also
+    ``null`` in the ``config`` section: read it as "no clipping".
+    """
+    if isinstance(doc, float):
+        return doc if math.isfinite(doc) else None
+    if isinstance(doc, Mapping):
+        return {k: finite_or_none(v) for k, v in doc.items()}
+    if isinstance(doc, list | tuple):
+        return [finite_or_none(v) for v in doc]
+    return doc
+
+
 def write_json(path: Path, doc: Mapping[str, Any]) -> Path:
-    """Write strict JSON (no NaN/Infinity) atomically enough for a reader polling the folder."""
+    """Write strict JSON (non-finite numbers as ``null``) atomically enough for a polling reader."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    text = json.dumps(finite_or_none(doc), indent=2, allow_nan=False)
+    tmp.write_text(text + "\n", encoding="utf-8")
     tmp.replace(path)
     return path
 
 
+def _num(value: Any) -> float:
+    # null in the JSON is a non-finite value (see [Note: non-finite numbers in JSON]).
+    return float("nan") if value is None else float(value)
+
+
+def _fmt(value: Any, spec: str) -> str:
+    number = _num(value)
+    return format(number, spec) if math.isfinite(number) else "nan"
+
+
+def scale_changes(scales: list[float]) -> tuple[int, int]:
+    """``(backoffs, growths)``: how often the loss scale went down and up between steps."""
+    pairs = list(itertools.pairwise(scales))
+    return sum(b < a for a, b in pairs), sum(b > a for a, b in pairs)
+
+
 def _window_mean(values: list[float], *, head: bool) -> float:
+    # Mean of the first/last tenth (at most 10 steps); nan if any of them is nan.
     k = max(1, min(10, len(values) // 5 or 1))
     part = values[:k] if head else values[-k:]
-    return sum(part) / len(part)
+    return sum(part) / len(part) if part else float("nan")
 
 
 def render_report(
@@ -50,8 +116,12 @@ def render_report(
     saying how to get it is printed instead).
     """
     run, summary, history = doc["run"], doc["summary"], doc["history"]
-    losses = [float(h["loss"]) for h in history]
+    losses = [_num(h["loss"]) for h in history]
     norms = [float(h["grad_norm"]) for h in history if h["grad_norm"] is not None]
+    scales = [_num(h["scale"]) for h in history]
+    if summary.get("final_scale") is not None:
+        scales.append(float(summary["final_scale"]))  # the update after the last step
+    backoffs, growths = scale_changes(scales)
     chars = run["tokens_per_step"] * len(history)
     rows = [
         ("model", f"decoder-only transformer, {run['parameters'] / 1e6:.2f} M parameters"),
@@ -62,14 +132,20 @@ def render_report(
         ("steps (skipped: overflow)", f"{len(history)} ({summary['skipped_steps']})"),
         (
             "loss: first -> last",
-            f"{_window_mean(losses, head=True):.3f} -> {_window_mean(losses, head=False):.3f}",
+            f"{_fmt(_window_mean(losses, head=True), '.3f')} -> "
+            f"{_fmt(_window_mean(losses, head=False), '.3f')}",
         ),
-        ("held-out loss", f"{summary['held_out_loss']:.3f}"),
-        ("final loss scale", f"{summary['final_scale']:g}"),
+        ("held-out loss", _fmt(summary["held_out_loss"], ".3f")),
+        (
+            "loss scale: first -> final",
+            f"{_fmt(scales[0] if scales else None, 'g')} -> {_fmt(summary['final_scale'], 'g')} "
+            f"({backoffs} backoffs, {growths} growths)",
+        ),
         ("grad norm (median, pre-clip)", f"{statistics.median(norms):.3f}" if norms else "n/a"),
         (
             "wall time",
-            f"{summary['wall_s']:.1f} s ({chars / max(summary['wall_s'], 1e-9):,.0f} chars/s)",
+            f"{_num(summary['wall_s']):.1f} s in training "
+            f"({chars / max(_num(summary['wall_s']), 1e-9):,.0f} chars/s)",
         ),
         ("parameters sha256", summary["params_sha256"][:16] + "..."),
     ]
@@ -90,7 +166,7 @@ def render_report(
 
     finite_last = next((v for v in reversed(losses) if math.isfinite(v)), float("nan"))
     path = plot_training(
-        history,
+        [{**h, "loss": _num(h["loss"])} for h in history],
         out_dir / PLOT_FILE,
         title=f"shardscale demo: {run['world_size']} ranks ({run['mesh_desc']}), "
         f"{run['precision']}, final loss {finite_last:.3f}",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
+import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, TextIO
@@ -65,6 +66,8 @@ class ProgressView:
         self._task: Any = None
         # Plain mode prints about 20 lines per run, plus every skipped step.
         self._every = max(1, total // 20)
+        self._ranks = ""
+        self._ranks_printed_at = -math.inf
 
     def __enter__(self) -> ProgressView:
         if self.use_rich:
@@ -83,13 +86,16 @@ class ProgressView:
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[stats]}"),
+                TextColumn("[yellow]{task.fields[ranks]}"),
                 TimeElapsedColumn(),
                 TimeRemainingColumn(),
                 console=Console(file=self.stream),
                 refresh_per_second=4,
             )
             self._progress.__enter__()
-            self._task = self._progress.add_task("train", total=self.total, stats="starting...")
+            self._task = self._progress.add_task(
+                "train", total=self.total, stats="starting...", ranks=""
+            )
         return self
 
     def update(
@@ -118,6 +124,23 @@ class ProgressView:
         if skipped or step % self._every == 0 or step in (self.total, 1):
             note = "  (overflow: step skipped)" if skipped else ""
             print(f"step {step:>5}/{self.total}  {stats}{note}", file=self.stream, flush=True)
+
+    def ranks(self, text: str) -> None:
+        """Show where the ranks are (a slow rank, or each rank's phase); ``""`` hides it.
+
+        The rich bar shows it live; plain output prints it when it changes, at most
+        every 10 seconds, so a stalled start or a lagging rank is visible in a log.
+        """
+        if text == self._ranks:
+            return
+        self._ranks = text
+        if self._progress is not None:
+            self._progress.update(self._task, ranks=text)
+            return
+        now = time.monotonic()
+        if text and now - self._ranks_printed_at >= 10.0:
+            self._ranks_printed_at = now
+            print(f"ranks: {text}", file=self.stream, flush=True)
 
     def close(self) -> None:
         """Stop drawing (safe to call twice); the context manager calls it."""

@@ -29,7 +29,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["EVENT_PREFIX", "build_parser", "config_from_args", "main"]
+from shardscale.cli._trainer import TrainConfig, size_defaults
+
+__all__ = ["EVENT_PREFIX", "build_parser", "check_args", "config_from_args", "main"]
 
 #: Lines on rank 0's stdout starting with this carry JSON events for ``shardscale demo``.
 EVENT_PREFIX = "@@shardscale-event "
@@ -42,34 +44,46 @@ def _default_device() -> str:
 
 def build_parser(prog: str = "python -m shardscale.cli.train") -> argparse.ArgumentParser:
     """Options of the training script (``shardscale demo`` adds --world-size on top)."""
-    from shardscale.cli._trainer import TrainConfig
-
-    d = TrainConfig()
     p = argparse.ArgumentParser(
         prog=prog,
         description="Train a small character-level transformer on Shakespeare's Sonnets with "
         "FSDP2, autocast, ShardedGradScaler and unscale_and_clip_.",
     )
-    add_training_options(p, d)
+    add_training_options(p)
     p.add_argument(
         "--progress",
         choices=["auto", "rich", "plain", "jsonl", "none"],
         default="auto",
         help="how rank 0 reports each step (jsonl: machine-readable events)",
     )
+    p.add_argument(
+        "--progress-dir",
+        type=Path,
+        default=None,
+        help="every rank writes its phase and step to rank<N>.progress here "
+        "(shardscale demo uses it to show a slow rank)",
+    )
     return p
 
 
-def add_training_options(p: argparse.ArgumentParser, d: Any) -> None:
-    """The options shared by the script and ``shardscale demo``."""
-    p.add_argument(
-        "--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})"
-    )
+def _sized(field: str) -> str:
+    cpu, cuda = size_defaults("cpu")[field], size_defaults("cuda")[field]
+    return f"default {cpu} on CPU, {cuda} with CUDA"
+
+
+def add_training_options(p: argparse.ArgumentParser) -> None:
+    """The options shared by the script and ``shardscale demo``.
+
+    Size options default to ``None``: :func:`config_from_args` fills them in for
+    the device (see [Note: the demo's size] in ``_trainer``).
+    """
+    d = TrainConfig()
+    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps ({_sized('steps')})")
     p.add_argument(
         "--precision",
         choices=["fp16", "bf16"],
         default=d.precision,
-        help="autocast dtype (default fp16)",
+        help="autocast dtype (default fp16; bf16 is much faster on CPU)",
     )
     p.add_argument(
         "--device",
@@ -94,38 +108,72 @@ def add_training_options(p: argparse.ArgumentParser, d: Any) -> None:
         "--out",
         type=Path,
         default=Path(DEFAULT_OUT),
-        help=f"folder for metrics.json, training.png, result-rank*.json (default ./{DEFAULT_OUT})",
+        help=f"folder for metrics.json, training.png, result-rank*.json (default ./{DEFAULT_OUT}); "
+        "a re-used folder has those files replaced, never mixed",
     )
     p.add_argument(
-        "--batch-size", type=int, default=d.batch_size, help="sequences per rank per step"
+        "--batch-size",
+        type=int,
+        default=None,
+        help=f"sequences per rank per step ({_sized('batch_size')})",
     )
-    p.add_argument("--context", type=int, default=d.context, help="characters per sequence")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
-    p.add_argument("--max-norm", type=float, default=d.max_norm, help="gradient clipping threshold")
+    p.add_argument(
+        "--context", type=int, default=None, help=f"characters per sequence ({_sized('context')})"
+    )
+    p.add_argument("--d-model", type=int, default=None, help=f"model width ({_sized('d_model')})")
+    p.add_argument(
+        "--layers", type=int, default=None, help=f"transformer blocks ({_sized('n_layers')})"
+    )
+    p.add_argument("--heads", type=int, default=None, help=f"attention heads ({_sized('n_heads')})")
+    p.add_argument(
+        "--lr", type=float, default=d.lr, help=f"peak learning rate, AdamW (default {d.lr:g})"
+    )
+    p.add_argument(
+        "--max-norm",
+        type=float,
+        default=d.max_norm,
+        help=f"gradient clipping threshold (default {d.max_norm:g}; inf: never clip)",
+    )
     p.add_argument(
         "--growth-interval",
         type=int,
         default=d.growth_interval,
-        help="clean steps before the loss scale doubles",
+        help=f"clean steps before the loss scale doubles (default {d.growth_interval})",
     )
-    p.add_argument("--init-scale", type=float, default=d.init_scale, help="initial loss scale")
+    p.add_argument(
+        "--init-scale",
+        type=float,
+        default=d.init_scale,
+        help=f"initial loss scale (default {d.init_scale:g}: high on purpose, the first "
+        "fp16 steps overflow and back it off)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
         "--sample-chars",
         type=int,
         default=d.sample_chars,
-        help="characters to generate after training (0: none)",
+        help=f"characters to generate after training (default {d.sample_chars}; 0: none)",
     )
 
 
-def config_from_args(args: argparse.Namespace) -> Any:
-    """A :class:`~shardscale.cli._trainer.TrainConfig` from parsed options (errors name the option)."""
-    from shardscale.cli._trainer import TrainConfig
+def config_from_args(args: argparse.Namespace, *, device: str = "cpu") -> TrainConfig:
+    """A :class:`TrainConfig` from parsed options, sized for ``device``.
 
-    return TrainConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        context=args.context,
+    Raises ``ValueError`` with one line naming the option and a fix.
+    """
+    from shardscale.cli._trainer import check_config_values, default_config
+
+    sized = size_defaults(device)
+    given = {
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "context": args.context,
+        "d_model": args.d_model,
+        "n_layers": args.layers,
+        "n_heads": args.heads,
+    }
+    values: dict[str, Any] = {k: sized[k] if v is None else v for k, v in given.items()}
+    values.update(
         lr=args.lr,
         max_norm=args.max_norm,
         precision=args.precision,
@@ -134,23 +182,56 @@ def config_from_args(args: argparse.Namespace) -> Any:
         growth_interval=args.growth_interval,
         seed=args.seed,
         sample_chars=args.sample_chars,
-        warmup=min(20, max(3, args.steps // 5)),
+        warmup=min(20, max(3, values["steps"] // 5)),
     )
+    check_config_values(values, cli=True)  # option names in the message, before the dataclass
+    return default_config(device, **values)
 
 
 def _emit(event: dict[str, Any]) -> None:
-    print(EVENT_PREFIX + json.dumps(event, allow_nan=False), flush=True)
+    from shardscale.cli._report import finite_or_none
+
+    print(EVENT_PREFIX + json.dumps(finite_or_none(event), allow_nan=False), flush=True)
+
+
+def check_args(args: argparse.Namespace, *, device: str, world_size: int) -> TrainConfig:
+    """Every check of [Note: refuse before acting]; one-line ``ValueError`` on the first failure."""
+    from shardscale.cli._options import check_backend, check_context, check_mesh, check_out
+
+    cfg = config_from_args(args, device=device)
+    check_mesh(args.mesh, world_size, cfg)
+    check_context(cfg)
+    check_backend(args.backend, world_size=world_size)
+    check_out(args.out)
+    return cfg
+
+
+def _launch_world_size() -> int:
+    # What the launcher says; the full environment check is init_distributed's.
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return max(1, int(raw))
+    except ValueError:
+        raise ValueError(
+            f"WORLD_SIZE={raw!r} is not a number; start the script with torchrun"
+        ) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the training script; returns the exit status."""
     args = build_parser().parse_args(argv)
+    device = args.device or _default_device()
     try:
-        cfg = config_from_args(args)
+        cfg = check_args(args, device=device, world_size=_launch_world_size())
+        if os.environ.get("RANK", "0") == "0":
+            from shardscale.cli._options import prepare_out
+
+            # Rank 0 clears the last run's files before any rank can write new ones: the
+            # others write theirs only after training, which needs rank 0.
+            prepare_out(args.out, logs=False)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    device = args.device or _default_device()
     # torchrun sets OMP_NUM_THREADS=1 for several processes; keep the cores split when run otherwise.
     if "OMP_NUM_THREADS" not in os.environ and device == "cpu":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -159,15 +240,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch.distributed as dist
 
     from shardscale.cli._distributed import init_distributed
-    from shardscale.cli._report import METRICS_FILE, render_report, result_file, write_json
+    from shardscale.cli._rankstatus import RankStatusWriter
+    from shardscale.cli._report import (
+        METRICS_FILE,
+        render_report,
+        result_file,
+        scale_changes,
+        write_json,
+    )
     from shardscale.cli._trainer import StepMetrics, train
     from shardscale.cli._ui import ProgressView, have_rich
 
+    status = RankStatusWriter(
+        args.progress_dir, rank=int(os.environ.get("RANK", "0")), steps=cfg.steps
+    )
+    status.update("joining the process group")
     try:
         ctx = init_distributed(device=device, mesh=args.mesh)
     except (RuntimeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    status.update("building the model")
     out_dir: Path = args.out
     mode = args.progress
     if mode == "auto":
@@ -199,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         active = ctx.is_main and mode in ("rich", "plain")
 
         def on_step(m: StepMetrics) -> None:
+            status.update("training", m.step)
             if not ctx.is_main:
                 return
             if mode == "jsonl":
@@ -218,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result = train(cfg, ctx, on_step=on_step)
         else:
             result = train(cfg, ctx, on_step=on_step)
+        status.update("writing results", cfg.steps)
         write_json(
             result_file(out_dir, ctx.rank),
             {
@@ -253,6 +348,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "final_loss": result.final_loss,
                     "held_out_loss": result.held_out_loss,
                     "skipped_steps": result.skipped_steps,
+                    "scale_backoffs": scale_changes(
+                        [m.scale for m in result.history] + [result.final_scale]
+                    )[0],
                     "final_scale": result.final_scale,
                     "wall_s": result.wall_s,
                     "params_sha256": result.params_sha256,
@@ -265,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _emit({"event": "done", "metrics": str(path.resolve())})
             elif mode != "none":
                 render_report(doc, out_dir, stream=sys.stdout)
+        status.update("done", cfg.steps)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
