@@ -332,8 +332,8 @@ def test_scaler_on_ddp_issues_one_collective_per_step_and_ranks_agree(
     for rank, result in enumerate(results):
         assert isinstance(result, dict)
         assert result["per_step"] == [1] * steps, rank
-        # The engine's vector: 4 slots per rank (peak, power sum, non-finite, error) + nan count.
-        assert result["records"] == [("sum", 4 * world + 1, world)]
+        # The engine's vector: 5 slots per rank (peak, power sum, non-finite, error, chain) + nan count.
+        assert result["records"] == [("sum", 5 * world + 1, world)]
         # Same scale trajectory as torch's GradScaler on the unsharded reference.
         assert result["scales"] == result["ref_scales"], rank
         assert result["scales"] == first["scales"]

@@ -13,7 +13,12 @@ nox session runs hundreds) in three layouts:
 
 A schedule drawn from one seed (the same on every rank) says, per step, which
 ranks put an inf, -inf or nan into which parameter's local gradient, which
-grads are dropped, and whether ``unscale_`` is called explicitly. Every rank
+grads are dropped, and which entry point the step goes through: ``step``
+alone, an explicit ``unscale_``, ``unscale_and_clip_``, or
+``unscale_and_clip_`` with ``StreamingStats`` read during backward (the
+reference then runs torch's ``unscale_`` + ``clip_grad_norm_``). The clip
+limit is large, so clipping never changes a gradient and the replicated
+layout can still be compared bit for bit; what is fuzzed is the decision. Every rank
 also trains its own reference: the same model under ``torch.amp.GradScaler``
 on the whole batch, told about overflows anywhere (an inf is put into its own
 gradients whenever any rank really injected one), with the same dropped grads.
@@ -53,7 +58,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(int(CASE_TIMEOUT) + 
 #: slowly downwards (growth every 3 clean steps), so hundreds of steps stay in fp32's range.
 P_INJECT = 0.25
 P_DROP = 0.2
-P_UNSCALE = 0.3
+MODES = ("step", "step", "unscale", "clip", "stream")
+#: No gradient here comes near it: clipping is a no-op, parity stays bitwise.
+CLIP_LIMIT = 1e6
 ROWS, DIM = 8, 8
 SCALER_ARGS: dict[str, Any] = {"init_scale": 2.0**10, "growth_interval": 3}
 LAYOUTS = ["replicated", "fsdp2-1d", "fsdp-tp-2d"]
@@ -66,7 +73,7 @@ class StepPlan:
 
     injections: tuple[tuple[int, int, float, float], ...]  # (rank, param, value, where in [0,1))
     drops: tuple[tuple[int, int], ...]  # (rank, param)
-    unscale: bool
+    mode: str  # "step", "unscale", "clip" or "stream"
 
 
 def make_schedule(
@@ -91,7 +98,7 @@ def make_schedule(
         # differ for good, and the first half checks that they stay bit-identical until then.
         if drops and rng.random() < P_DROP and step >= steps // 2:
             dropped.append((rng.randrange(world), rng.randrange(n_params)))
-        plan.append(StepPlan(tuple(injections), tuple(dropped), rng.random() < P_UNSCALE))
+        plan.append(StepPlan(tuple(injections), tuple(dropped), rng.choice(MODES)))
     return plan
 
 
@@ -205,8 +212,11 @@ def _case_fuzz(layout: str, steps: int) -> dict[str, Any]:
     params, ref_params = list(model.parameters()), list(reference.parameters())
     n = len(params)
     schedule = make_schedule(SEEDS[layout], steps, world, n, drops=layout == "replicated")
+    from shardscale.clip import StreamingStats, unscale_and_clip_
+
     scaler = ShardedGradScaler("cpu", backend="c10d", **SCALER_ARGS)
     ref_scaler = torch.amp.GradScaler("cpu", **SCALER_ARGS)
+    stream = StreamingStats(params, scaler)
     observer = _Observer()
     registry = get_registry()
     name = registry.register(observer, name=f"fuzz-observer-{layout}")
@@ -219,10 +229,18 @@ def _case_fuzz(layout: str, steps: int) -> dict[str, Any]:
             batch = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(1000 + step))
             opt.zero_grad()
             ref_opt.zero_grad()
-            scaler.scale(model(local_batch(batch)).pow(2).mean()).backward()
+            # StreamingStats reads gradients during backward, so in that mode the poison must
+            # arrive there too: the injecting rank scales its loss by the value.
+            poison = 1.0
+            if plan.mode == "stream":
+                poison = next((v for r, _, v, _ in plan.injections if r == rank), 1.0)
+                if poison != 1.0:
+                    summary.injected_on.add(rank)
+            loss = model(local_batch(batch)).pow(2).mean() * poison
+            scaler.scale(loss).backward()
             ref_scaler.scale(reference(batch).pow(2).mean()).backward()
             # Inject, then drop (a dropped gradient takes its injected value with it).
-            for r, i, value, frac in plan.injections:
+            for r, i, value, frac in plan.injections if plan.mode != "stream" else ():
                 grad = params[i].grad
                 if r == rank and grad is not None and _local(grad).numel():
                     flat = _local(grad).view(-1)
@@ -245,9 +263,16 @@ def _case_fuzz(layout: str, steps: int) -> dict[str, Any]:
                 # The reference hears about an overflow anywhere through its own gradients.
                 first = next(p for p in ref_params if p.grad is not None)
                 first.grad.view(-1)[0] = math.inf
-            if plan.unscale:
+            if plan.mode == "unscale":
                 scaler.unscale_(opt)
                 ref_scaler.unscale_(ref_opt)
+            elif plan.mode in ("clip", "stream"):
+                norm = unscale_and_clip_(
+                    scaler, opt, CLIP_LIMIT, stats=stream if plan.mode == "stream" else None
+                )
+                ref_scaler.unscale_(ref_opt)
+                ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, CLIP_LIMIT)
+                assert math.isfinite(float(norm)) is math.isfinite(float(ref_norm)), where
             scaler.step(opt)
             ref_scaler.step(ref_opt)
             scaler.update()
@@ -276,6 +301,7 @@ def _case_fuzz(layout: str, steps: int) -> dict[str, Any]:
             summary.skipped += int(skipped)
     finally:
         registry.unregister(name)
+        stream.remove()
     return {
         "steps": summary.steps,
         "skipped": summary.skipped,
@@ -308,3 +334,4 @@ def test_schedule_is_reproducible_and_varied() -> None:
     values = {v if not math.isnan(v) else "nan" for s in a for _, _, v, _ in s.injections}
     assert values == {math.inf, -math.inf, "nan"}
     assert {r for s in a for r, *_ in s.injections} == {0, 1, 2, 3}
+    assert {s.mode for s in a} == set(MODES)

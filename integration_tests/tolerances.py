@@ -9,9 +9,10 @@ term |x|^p adds at most about 2u (one rounding for a square, a few for a
 general power), and the root divides the sum's relative error by p and adds
 u. shardscale's engine may also normalise each tensor by its max (one more
 rounding per element) and combines per-tensor norms the same way again. So
-|computed - exact| / exact ≤ (n + 8)·u·max(1, 1/p)·2 for every kernel, on
-every machine; two computed values are within twice that of each other. The
-inf-norm (a max) is exact. The bound is a worst case: real errors are far
+|computed - exact| / exact ≤ (n + 8)·u·max(1, 1/p)·2 + u for every kernel,
+on every machine (the last u: rounding the result to its dtype); two computed
+values are within twice that of each other. The inf-norm (a max) is exact
+up to that last rounding. The bound is a worst case: real errors are far
 smaller, and a wrong algorithm is off by far more.
 """
 
@@ -31,10 +32,10 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def norm_rtol(numel: int, dtype: torch.dtype, norm_type: float) -> float:
     """Bound on the relative error of a computed p-norm of ``numel`` values (see the note)."""
-    if math.isinf(norm_type):
-        return 0.0
     u = torch.finfo(accumulation_dtype(dtype)).eps / 2
-    return (numel + 8) * u * max(1.0, 1.0 / norm_type) * 2
+    if math.isinf(norm_type):
+        return u
+    return (numel + 8) * u * max(1.0, 1.0 / norm_type) * 2 + u
 
 
 def clipped_grad_rtol(numel: int, dtype: torch.dtype, norm_type: float) -> float:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from tolerances import norm_rtol
 
 from shardscale.clip import clip_grad_norm_, get_total_norm, unscale_and_clip_
 from shardscale.core import PluginNotFoundError, ShardedGradScaler
@@ -83,7 +84,10 @@ def test_norm_types_torch_accepts(good: Any) -> None:
     grads = [q.grad for q in model.parameters()]
     ref = torch.nn.utils.get_total_norm(grads, float(good))  # type: ignore[arg-type]
     ours = get_total_norm(grads, good)  # type: ignore[arg-type]
-    assert abs(float(ours) - float(ref)) <= 1e-6 * float(ref)
+    n = sum(g.numel() for g in grads if g is not None)
+    assert abs(float(ours) - float(ref)) <= 2 * norm_rtol(n, torch.float32, float(good)) * float(
+        ref
+    )
 
 
 def test_second_call_in_one_iteration_is_refused() -> None:

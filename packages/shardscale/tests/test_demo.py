@@ -71,6 +71,10 @@ def test_demo_loss_falls_and_plot_exists(run_cli, tmp_path: Path) -> None:
             assert after["scale"] == before["scale"] / 2, (before, after)
     assert metrics["summary"]["scale_backoffs"] >= metrics["summary"]["skipped_steps"] >= 1
     assert "backoffs" in proc.stdout and "demo wall time:" in proc.stdout
+    # Overflow localisation on the first real skip: the ranks and the parameters by name.
+    report = metrics["summary"]["first_overflow"]
+    assert "non-finite gradients on rank(s)" in report and ".weight" in report, report
+    assert "first skipped step" in proc.stdout
 
 
 @pytest.mark.multiprocess

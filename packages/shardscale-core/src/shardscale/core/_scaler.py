@@ -180,6 +180,7 @@ class ShardedGradScaler:
     _iteration: list[tuple[weakref.ref[torch.optim.Optimizer], StepResult]]
     _last_iteration: list[tuple[weakref.ref[torch.optim.Optimizer], StepResult]]
     _last_skipped: torch.Tensor | None
+    _chain_verified: bool
 
     def __init__(
         self,
@@ -248,6 +249,7 @@ class ShardedGradScaler:
         # Engine results of this iteration and of the last finished one (overflow localisation).
         self._iteration = []
         self._last_iteration = []
+        self._chain_verified = False
         self._last_skipped: torch.Tensor | None = None
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -362,6 +364,10 @@ class ShardedGradScaler:
         kernels = options.pop("kernels", None)
         if kernels is not None:
             config = dataclasses.replace(config, kernels=kernels)
+        if not self._chain_verified:
+            # Every rank's scaler reaches its first step together: check the chains there.
+            config = dataclasses.replace(config, verify_chain=True)
+            self._chain_verified = True
         result = run_step(
             optimizer_params(optimizer),
             config,

@@ -36,14 +36,20 @@ M         max over its counted tensors of the tensor's p-norm (finite only)
 S         Σ_t (n_t / M_r)^p over the same tensors, each term ≤ 1
 nonfin    how many of its local gradients hold inf/nan
 error     an error code (0: none; see ``_ERROR_KINDS``)
+chain     a 24-bit fingerprint of its backend chain's names
 ========  ===============================================================
+
+Ranks whose fingerprints differ raise together: they reached the same
+collective through different middleware, which can mismatch and hang the
+next time (a scaler also checks once, beside the chain, before its first
+step, so a mismatch that would hang at once is caught too).
 
 plus two shared counters: how many counted float64 gradients exist (the
 norm is float64 if any rank has one, as in torch) and how many of the
 non-finite gradients hold nan (the reported norm is nan then, else inf).
 The global norm is M·(Σ_r S_r (M_r/M)^p)^(1/p) with M = max_r M_r: no
 intermediate exceeds the norm itself, so the combination cannot overflow for
-any p > 0. Its size is 4·W + 1 numbers: 32 KiB for 1024 ranks.
+any p > 0. Its size is 5·W + 1 numbers: 40 KiB for 1024 ranks.
 
 [Note: per-tensor norms without overflow]
 For p = 1 and p = 2 a tensor's norm is one read, accumulated in float32
@@ -148,6 +154,9 @@ class StepConfig:
     group: ProcessGroup | None = None
     kernels: str | None = None
     distinct_dims: frozenset[str] = frozenset()
+    #: Check, beside the chain, that every rank uses the same backend chain before this step
+    #: (a scaler asks once, on its first step: every rank's scaler reaches it together).
+    verify_chain: bool = False
 
     def adapter_context(self) -> AdapterContext:
         """What adapters need to know about this step's reduction group."""
@@ -198,6 +207,9 @@ class StepResult:
     rank: int = 0
     #: This rank's own error, raised by :meth:`raise_errors` (after the collective).
     local_error: BaseException | None = None
+    #: The backend chain's names and the group, for a chain-mismatch message.
+    chain: str = ""
+    group: Any = None
     _codes: torch.Tensor | None = None
     _event: Any = None
     _raised: bool = False
@@ -214,9 +226,9 @@ class StepResult:
         # The same path on every device, and never a device-to-host sync: the error block is
         # copied into host memory (pinned, asynchronous on a GPU) and read there with tolist().
         w = self.world_size
-        block = self.vector[3 * w : 4 * w]
+        block = self.vector[3 * w : 5 * w]  # error codes and chain fingerprints
         on_gpu = block.device.type == "cuda"
-        self._codes = torch.empty(w, dtype=block.dtype, pin_memory=on_gpu)
+        self._codes = torch.empty(2 * w, dtype=block.dtype, pin_memory=on_gpu)
         self._codes.copy_(block, non_blocking=on_gpu)
         if on_gpu:
             self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -237,7 +249,7 @@ class StepResult:
         if self.local_error is not None:
             return True
         codes = self._codes_now(wait=False) if self._event is None else None
-        return bool(codes and any(codes))
+        return bool(codes and any(codes[: self.world_size]))
 
     def raise_errors(self, *, wait: bool = True) -> None:
         """Raise on every rank if any rank of the step failed; a no-op otherwise.
@@ -256,7 +268,12 @@ class StepResult:
             return  # still on its way: stays in _pending
         if self in _pending:
             _pending.remove(self)
-        failing = tuple(r for r, code in enumerate(codes or []) if code)
+        w = self.world_size
+        failing = tuple(r for r, code in enumerate((codes or [])[:w]) if code)
+        prints = (codes or [])[w:]
+        if prints and len(set(prints)) > 1 and self.local_error is None:
+            self._raised = True
+            _raise_chain_mismatch(self.chain, self.group, w)
         if self.local_error is None and not failing:
             return
         self._raised = True
@@ -319,7 +336,9 @@ def _normalised_norms(kernels: Any, tensors: Sequence[torch.Tensor], p: float) -
 
 # -- the backend-chain check ---------------------------------------------------------------------
 
-_checked_chains: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
+
+def _fingerprint(chain: str) -> float:
+    return float(zlib.crc32(chain.encode()) & 0xFFFFFF)  # exact in float32 and float64
 
 
 def _chain_names(backend: CollectiveBackend) -> str:
@@ -332,10 +351,11 @@ def _chain_names(backend: CollectiveBackend) -> str:
 
 
 def _verify_same_chain(config: StepConfig, device: torch.device) -> None:
-    """Once per (backend object, group): every rank must use the same backend chain.
+    """Every rank must use the same backend chain: checked beside the chain.
 
-    Different chains can issue different collectives and deadlock, so this
-    exchange goes straight through torch.distributed, beside the chain.
+    Different chains can issue different collectives and deadlock before the
+    step's own fingerprint check could run, so this exchange goes straight
+    through torch.distributed. Only when ``StepConfig.verify_chain`` asks.
     """
     import torch.distributed as dist
 
@@ -345,21 +365,19 @@ def _verify_same_chain(config: StepConfig, device: torch.device) -> None:
     world = backend.world_size(group)
     if world <= 1:
         return
-    key = group if group is not None else "default"
-    try:
-        seen = _checked_chains.setdefault(backend, set())
-    except TypeError:  # not weak-referenceable: check every time (cheap, and rare)
-        seen = set()
-    if key in seen:
-        return
     chain = _chain_names(backend)
-    mine = float(zlib.crc32(chain.encode()) & 0xFFFFFF)  # exact in float32 and float64
+    mine = _fingerprint(chain)
     vec = torch.zeros(world, dtype=torch.float64, device=device)
     vec[backend.rank(group)] = mine
     dist.all_reduce(vec, group=group)
-    if all(v == mine for v in vec.tolist()):  # once per chain: a host read is fine here
-        seen.add(key)
+    if all(v == mine for v in vec.tolist()):  # once per scaler: a host read is fine here
         return
+    _raise_chain_mismatch(chain, group, world)
+
+
+def _raise_chain_mismatch(chain: str, group: Any, world: int) -> None:
+    import torch.distributed as dist
+
     chains: list[Any] = [None] * world
     dist.all_gather_object(chains, chain, group=group)
     listing = ", ".join(f"rank {r}: {c!r}" for r, c in enumerate(chains))
@@ -619,10 +637,19 @@ def run_step(
             precomputed=precomputed,
             device=device,
         )
-        _verify_same_chain(config, device)
+        if config.verify_chain:
+            _verify_same_chain(config, device)
         world = config.backend.world_size(config.group)
         rank = config.backend.rank(config.group)
-        vec = _local_vector(reading, local, p=norm_type, rank=rank, world=world, device=device)
+        vec = _local_vector(
+            reading,
+            local,
+            p=norm_type,
+            rank=rank,
+            world=world,
+            device=device,
+            fingerprint=_fingerprint(_chain_names(config.backend)),
+        )
         handle = _issue(vec, config)
         result = StepResult(
             found_inf=torch.zeros((), dtype=torch.float32, device=device),
@@ -634,6 +661,8 @@ def run_step(
             world_size=world,
             rank=rank,
             local_error=local.error,
+            chain=_chain_names(config.backend),
+            group=config.group,
         )
         result.owners = [
             (weakref.ref(param), weakref.ref(t)) for param, t in local.buckets.owner_pairs()
@@ -706,8 +735,9 @@ def _local_vector(
     rank: int,
     world: int,
     device: torch.device,
+    fingerprint: float,
 ) -> torch.Tensor:
-    vec = torch.zeros(4 * world + 1, dtype=torch.float64, device=device)
+    vec = torch.zeros(5 * world + 1, dtype=torch.float64, device=device)
     if reading.counted_norms and p is not None:
         n = torch.stack(reading.counted_norms)
         n = torch.where(torch.isfinite(n), n, torch.zeros_like(n))
@@ -726,7 +756,8 @@ def _local_vector(
         nonfinite = nonfinite + (flag > 0).to(torch.float64)
     vec[2 * world + rank] = nonfinite
     vec[3 * world + rank] = float(local.code)
-    vec[4 * world] = nan
+    vec[4 * world + rank] = fingerprint
+    vec[5 * world] = nan
     return vec
 
 
@@ -785,7 +816,7 @@ def _decide(
         # float64 when this rank reads float64 gradients, as torch; decided locally (no host
         # read of the vector), so ranks agree whenever they hold the same parameter dtypes.
         dtype = torch.float64 if f64 else torch.float32
-        nonfinite = torch.where(vec[4 * w] > 0, math.nan, math.inf).to(value.dtype)
+        nonfinite = torch.where(vec[5 * w] > 0, math.nan, math.inf).to(value.dtype)
         norm = torch.where(bad, nonfinite, value).to(dtype)
         if not math.isinf(max_norm):
             clip = (max_norm / (norm.to(torch.float64) + EPS)).clamp(max=1.0)

@@ -150,6 +150,9 @@ def render_report(
         ("parameters sha256", summary["params_sha256"][:16] + "..."),
     ]
     print_table("shardscale demo: summary", rows, headers=("", ""), stream=stream)
+    if summary.get("first_overflow"):
+        print("\nfirst skipped step, from scaler.overflow_report(model):", file=stream)
+        print(summary["first_overflow"].rstrip(), file=stream)
     if summary.get("sample"):
         print("\nsample from the trained model:\n" + summary["sample"].rstrip() + "\n", file=stream)
     print(f"metrics: {out_dir / METRICS_FILE}", file=stream)

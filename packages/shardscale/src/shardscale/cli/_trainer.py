@@ -234,6 +234,8 @@ class TrainResult:
     sample: str
     wall_s: float
     history: list[StepMetrics] = field(default_factory=list)
+    #: ``scaler.overflow_report(model)`` of the first skipped step ("" if none was skipped).
+    first_overflow: str = ""
 
 
 class _StepRecorder:
@@ -372,6 +374,7 @@ def train(
     plugin_name = registry.register(recorder, name=f"shardscale-demo-recorder-{id(recorder):x}")
     history: list[StepMetrics] = []
     skipped_total = 0
+    first_overflow = ""
     try:
         for step in range(cfg.steps):
             lr = _lr_at(cfg, step)
@@ -385,9 +388,13 @@ def train(
             norm = unscale_and_clip_(scaler, optimizer, max_norm=cfg.max_norm)
             scaler.step(optimizer)
             scaler.update()
-            optimizer.zero_grad(set_to_none=True)
             record = recorder.last
             skipped = bool(record.skipped.item()) if record is not None else False
+            if skipped and not first_overflow:
+                # Every rank knows the step was skipped (one decision), so every rank joins
+                # the report's gather; it must run before zero_grad frees the gradients.
+                first_overflow = str(scaler.overflow_report(model))
+            optimizer.zero_grad(set_to_none=True)
             skipped_total += int(skipped)
             metrics = StepMetrics(
                 step=step + 1,
@@ -442,4 +449,5 @@ def train(
         sample=sample,
         wall_s=time.perf_counter() - started,
         history=history,
+        first_overflow=first_overflow,
     )

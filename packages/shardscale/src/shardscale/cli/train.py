@@ -355,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "wall_s": result.wall_s,
                     "params_sha256": result.params_sha256,
                     "sample": result.sample,
+                    "first_overflow": result.first_overflow,
                 },
                 "history": [m.to_json() for m in result.history],
             }
