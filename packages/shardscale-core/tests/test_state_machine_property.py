@@ -285,17 +285,22 @@ def test_optimizer_without_grads_is_the_one_deliberate_difference() -> None:
 
 
 class _TwoIdenticalRanks:
-    """A backend for a world of two ranks holding the same values: a SUM doubles them.
+    """A backend for a world of two ranks holding the same values.
 
     Not a mock of the scaler: a real (if tiny) backend through which the scaler's own
-    found_inf reduction runs, as it would with two overflowing ranks.
+    reduction runs, as it would with a second rank that saw exactly what this one saw. The
+    step's vector (docs/step-engine.md) has one slot per rank in each of its blocks and one
+    shared count at the end: the peer fills its slots as this rank did, and adds its count.
     """
 
     name: ClassVar[str] = "two-identical-ranks"
 
     def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp, group: Any) -> CompletedHandle:
-        if op == ReduceOp.SUM:
-            tensor.mul_(2)
+        assert op == ReduceOp.SUM
+        world = self.world_size(group)
+        blocks = tensor[:-1].view(-1, world)
+        blocks[:, 1] = blocks[:, 0]
+        tensor[-1] *= world
         return CompletedHandle()
 
     def world_size(self, group: Any) -> int:

@@ -27,7 +27,7 @@ from shardscale.core._hookspecs import ENTRY_POINT_GROUP, HOOK_KINDS, PROJECT, h
 from shardscale.core._local import LocalBackend
 from shardscale.core._middleware_base import MiddlewareBase
 from shardscale.core._overflow import OverflowReport
-from shardscale.core._plain_adapter import PlainTensorAdapter
+from shardscale.core._plain_adapter import PlainTensorAdapter, is_fsdp1_param
 from shardscale.core._protocols import (
     AdapterContext,
     CollectiveBackend,
@@ -110,6 +110,7 @@ __all__ = [
     # built-ins
     "LocalBackend",
     "PlainTensorAdapter",
+    "is_fsdp1_param",
     "ForeachKernels",
     # gradient collection shared with shardscale.clip
     "GradBuckets",

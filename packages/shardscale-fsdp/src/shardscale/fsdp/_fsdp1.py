@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardscale.core import AdapterContext, GradShard, LayoutError
+from shardscale.core import AdapterContext, GradShard, LayoutError, is_fsdp1_param
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -158,7 +158,7 @@ def _discover() -> None:
 def fsdp1_layout(param: torch.Tensor) -> Fsdp1Layout | None:
     """The recorded FSDP1 layout of ``param`` (searching live FSDP1 modules once if needed)."""
     layout = _recorded(param)
-    if layout is None and _is_fsdp1_param(param):
+    if layout is None and is_fsdp1_param(param):
         _discover()
         layout = _recorded(param)
     return layout
@@ -169,10 +169,6 @@ def _recorded(param: torch.Tensor) -> Fsdp1Layout | None:
         return None
     layout: Fsdp1Layout = _layouts[param]
     return layout
-
-
-def _is_fsdp1_param(param: torch.Tensor) -> bool:
-    return bool(getattr(param, "_fsdp_flattened", False))
 
 
 class Fsdp1Adapter:
@@ -192,7 +188,7 @@ class Fsdp1Adapter:
         """Plain-tensor parameters that FSDP1 flattened or registered."""
         if type(param) not in (torch.Tensor, torch.nn.Parameter):
             return False  # DTensor parameters (FSDP1 + TP) are the DTensor adapter's
-        return param in _layouts or _is_fsdp1_param(param)
+        return param in _layouts or is_fsdp1_param(param)
 
     def describe(self, param: torch.Tensor, grad: torch.Tensor, ctx: AdapterContext) -> GradShard:
         """The local gradient and whether this rank's copy counts."""
