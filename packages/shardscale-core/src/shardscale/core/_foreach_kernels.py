@@ -45,11 +45,13 @@ class ForeachKernels:
             return torch.zeros(0, dtype=torch.float32)
         device = tensors[0].device
         acc = torch.float64 if any(t.dtype is torch.float64 for t in tensors) else torch.float32
-        out = torch.zeros(len(tensors), dtype=acc, device=device)
         nonempty = [i for i, t in enumerate(tensors) if t.numel()]
+        if len(nonempty) == len(tensors):
+            return torch.stack(self._tensor_norms(tensors, norm_type, acc)).to(acc)
+        out = torch.zeros(len(tensors), dtype=acc, device=device)
         if nonempty:
             norms = self._tensor_norms([tensors[i] for i in nonempty], norm_type, acc)
-            out[nonempty] = torch.stack([n.to(acc) for n in norms])
+            out[nonempty] = torch.stack(norms).to(acc)
         return out
 
     def _tensor_norms(

@@ -42,7 +42,7 @@ __all__ = [
 
 
 class ReduceOp(enum.StrEnum):
-    """The reductions shardscale needs: SUM for finite-p norms and counts, MAX for inf-norms."""
+    """The reductions a backend offers: the step engine uses SUM; MAX is there for plugins."""
 
     SUM = "sum"
     MAX = "max"

@@ -509,8 +509,8 @@ def _check_distinct_dims(buckets: GradBuckets, distinct: frozenset[str]) -> None
 
 @dataclass(slots=True)
 class _Reading:
-    counted_norms: list[torch.Tensor] = field(default_factory=list)  # finite or not
-    every_norms: list[torch.Tensor] = field(default_factory=list)  # per tensor, owners order
+    counted_norms: list[torch.Tensor] = field(default_factory=list)  # 1-D per bucket, any value
+    every_norms: list[torch.Tensor] = field(default_factory=list)  # 1-D per bucket, owners order
     flags: list[torch.Tensor] = field(default_factory=list)  # unscale kernel's found_inf
 
 
@@ -539,28 +539,47 @@ def _read(
             reading.flags.append(flag.to(device, non_blocking=True))
             continue
         counts = local.buckets.counts_mask[(dev, dtype)]
-        reuse = [precomputed.lookup(t) if precomputed is not None else None for t in tensors]
-        # Counted tensors: their p-norm (its finiteness is the flag); others: max|g| only.
-        groups: dict[float, list[int]] = {}
-        for i, c in enumerate(counts):
-            if reuse[i] is None:
-                groups.setdefault(p if (c and p is not None) else math.inf, []).append(i)
-        norms: list[torch.Tensor | None] = [
-            r.reshape(()).to(device, torch.float64, non_blocking=True) if r is not None else None
-            for r in reuse
-        ]
-        for q, idx in groups.items():
-            got = _tensor_norms(kernels, [tensors[i] for i in idx], q)
-            got = got.to(device=device, dtype=torch.float64, non_blocking=True)
-            for i, v in zip(idx, got.unbind(), strict=True):
-                norms[i] = v
-        for i, c in enumerate(counts):
-            value = norms[i]
-            assert value is not None
-            reading.every_norms.append(value)
-            if c:
-                reading.counted_norms.append(value)
+        norms = _bucket_norms(kernels, tensors, counts, p, precomputed, device)
+        reading.every_norms.append(norms)
+        if all(counts):
+            reading.counted_norms.append(norms)
+        elif any(counts):
+            picked = torch.tensor([i for i, c in enumerate(counts) if c], device=device)
+            reading.counted_norms.append(norms[picked])
     return reading
+
+
+def _bucket_norms(
+    kernels: Any,
+    tensors: Sequence[torch.Tensor],
+    counts: Sequence[bool],
+    p: float | None,
+    precomputed: PrecomputedNorms | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """One float64 entry per tensor of a bucket: counted tensors' p-norm, the others' max|g|.
+
+    Vectors, not per-tensor scalars: with thousands of small FSDP shards the Python
+    bookkeeping per tensor would cost more than the read.
+    """
+    reuse = [precomputed.lookup(t) for t in tensors] if precomputed is not None else None
+    groups: dict[float, list[int]] = {}
+    for i, c in enumerate(counts):
+        if reuse is None or reuse[i] is None:
+            groups.setdefault(p if (c and p is not None) else math.inf, []).append(i)
+    if reuse is None and len(groups) == 1:  # the common case: one kernel call for the bucket
+        ((q, _),) = groups.items()
+        return _tensor_norms(kernels, tensors, q).to(device=device, dtype=torch.float64)
+    out = torch.empty(len(tensors), dtype=torch.float64, device=device)
+    for q, idx in groups.items():
+        got = _tensor_norms(kernels, [tensors[i] for i in idx], q)
+        out[torch.tensor(idx, device=device)] = got.to(device=device, dtype=torch.float64)
+    if reuse is not None:
+        seen = [i for i, r in enumerate(reuse) if r is not None]
+        if seen:
+            values = torch.stack([reuse[i].reshape(()).to(device, torch.float64) for i in seen])  # type: ignore[union-attr]
+            out[torch.tensor(seen, device=device)] = values
+    return out
 
 
 # -- reduce and decide ---------------------------------------------------------------------------
@@ -668,7 +687,7 @@ def run_step(
             (weakref.ref(param), weakref.ref(t)) for param, t in local.buckets.owner_pairs()
         ]
         if reading.every_norms:
-            result.finite = torch.isfinite(torch.stack(reading.every_norms))
+            result.finite = torch.isfinite(torch.cat(reading.every_norms))
 
         def complete() -> None:
             _wait(handle)
@@ -739,7 +758,7 @@ def _local_vector(
 ) -> torch.Tensor:
     vec = torch.zeros(5 * world + 1, dtype=torch.float64, device=device)
     if reading.counted_norms and p is not None:
-        n = torch.stack(reading.counted_norms)
+        n = torch.cat(reading.counted_norms)
         n = torch.where(torch.isfinite(n), n, torch.zeros_like(n))
         peak = n.max()
         vec[rank] = peak
@@ -749,7 +768,7 @@ def _local_vector(
     nonfinite = torch.zeros((), dtype=torch.float64, device=device)
     nan = torch.zeros((), dtype=torch.float64, device=device)
     if reading.every_norms:
-        every = torch.stack(reading.every_norms)
+        every = torch.cat(reading.every_norms)
         nonfinite = nonfinite + (~torch.isfinite(every)).sum()
         nan = nan + torch.isnan(every).sum()
     for flag in reading.flags:
