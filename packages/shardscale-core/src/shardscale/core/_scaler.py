@@ -7,10 +7,12 @@ With default options the arithmetic is torch's own: gradients are unscaled by
 the scale moves through ``torch._amp_update_scale_``. The per-optimizer state
 machine (READY → UNSCALED → STEPPED, reset by ``update``) and the errors for
 misuse follow torch's. What differs is only *where* found_inf comes from:
-every device's flag is summed on the scale's device and reduced in ONE
-collective over the scaler's process group, on every path into ``step`` —
-including fused optimizers that skip ``unscale_`` — so every rank decides the
-same way whatever layout its parameters have.
+every path into ``step`` -- ``unscale_``, ``unscale_(..., max_norm=...)``, a
+fused optimizer's check without ``unscale_`` -- is one call of the step engine
+(``shardscale.core._step_engine``, [Note: one step, top to bottom]), which
+reads every local gradient and reduces in ONE collective over the scaler's
+process group, so every rank decides the same way whatever layout its
+parameters have. This module keeps the state machine and the scale.
 
 [Note: options beyond torch]
 ``hysteresis``, ``min_scale`` and ``max_scale`` are off by default. When any
