@@ -90,8 +90,6 @@ def _replica_overflow_case(kind: str, opt_name: str, api: str) -> dict[str, Any]
     scaler.step(opt)
     scaler.update()
     out["scale"] = scaler.get_scale()
-    skipped = scaler.last_step_skipped
-    out["skipped"] = bool(skipped) if skipped is not None else None
     after = [_local(p) for p in params]
     out["finite"] = all(bool(torch.isfinite(a).all()) for a in after)
     out["unchanged"] = all(torch.equal(a, _local(b)) for a, b in zip(after, before, strict=True))
@@ -118,8 +116,8 @@ def test_an_inf_in_a_replica_that_does_not_count_stops_every_rank(
 ) -> None:
     for res in pool2.run(_replica_overflow_case, kind, opt_name, api, timeout=60):
         assert isinstance(res, dict)
-        assert res["skipped"] is True, res
-        assert res["scale"] == INIT_SCALE / 2, res  # backed off on every rank
+        # Skipped on every rank: the scale backed off everywhere and no weight moved.
+        assert res["scale"] == INIT_SCALE / 2, res
         assert res["finite"] and res["unchanged"], res
         if "norm" in res:
             assert not math.isfinite(res["norm"])
