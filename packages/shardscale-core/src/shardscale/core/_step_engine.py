@@ -660,14 +660,15 @@ def run_step(
             _verify_same_chain(config, device)
         world = config.backend.world_size(config.group)
         rank = config.backend.rank(config.group)
-        vec = _local_vector(
+        chain = _chain_names(config.backend)
+        vec, finite = _local_vector(
             reading,
             local,
             p=norm_type,
             rank=rank,
             world=world,
             device=device,
-            fingerprint=_fingerprint(_chain_names(config.backend)),
+            fingerprint=_fingerprint(chain),
         )
         handle = _issue(vec, config)
         result = StepResult(
@@ -680,14 +681,13 @@ def run_step(
             world_size=world,
             rank=rank,
             local_error=local.error,
-            chain=_chain_names(config.backend),
+            chain=chain,
             group=config.group,
+            finite=finite,
         )
         result.owners = [
             (weakref.ref(param), weakref.ref(t)) for param, t in local.buckets.owner_pairs()
         ]
-        if reading.every_norms:
-            result.finite = torch.isfinite(torch.cat(reading.every_norms))
 
         def complete() -> None:
             _wait(handle)
@@ -755,7 +755,8 @@ def _local_vector(
     world: int,
     device: torch.device,
     fingerprint: float,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's slots of the step's vector, and which local tensors read finite."""
     vec = torch.zeros(5 * world + 1, dtype=torch.float64, device=device)
     if reading.counted_norms and p is not None:
         n = torch.cat(reading.counted_norms)
@@ -767,9 +768,11 @@ def _local_vector(
             vec[world + rank] = ratio.pow(p).sum()
     nonfinite = torch.zeros((), dtype=torch.float64, device=device)
     nan = torch.zeros((), dtype=torch.float64, device=device)
+    finite = None
     if reading.every_norms:
         every = torch.cat(reading.every_norms)
-        nonfinite = nonfinite + (~torch.isfinite(every)).sum()
+        finite = torch.isfinite(every)
+        nonfinite = nonfinite + (~finite).sum()
         nan = nan + torch.isnan(every).sum()
     for flag in reading.flags:
         nonfinite = nonfinite + (flag > 0).to(torch.float64)
@@ -777,7 +780,7 @@ def _local_vector(
     vec[3 * world + rank] = float(local.code)
     vec[4 * world + rank] = fingerprint
     vec[5 * world] = nan
-    return vec
+    return vec, finite
 
 
 _COLLECTIVE_NOTE = (
