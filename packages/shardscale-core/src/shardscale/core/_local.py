@@ -37,14 +37,15 @@ class LocalBackend:
             raise BackendUnavailableError(
                 f"the 'local' backend was chosen (backend='local' or $SHARDSCALE_BACKEND) in a "
                 f"run of {dist.get_world_size()} ranks: it reduces nothing, so ranks would "
-                "decide differently and diverge. Use 'c10d' (pip install "
-                "shardscale-collectives), or leave the backend unset."
+                "decide differently and diverge. Leave the backend unset (the automatic choice "
+                "reduces across ranks) or name one that does; 'shardscale plugins' lists them."
             )
         if self.world_size(group) != 1:
             raise BackendUnavailableError(
                 "the 'local' backend cannot reduce over a process group of "
-                f"{self.world_size(group)} ranks: ranks would disagree. Use 'c10d' "
-                "(pip install shardscale-collectives) or leave the backend unset."
+                f"{self.world_size(group)} ranks: ranks would disagree. Leave the backend unset "
+                "(the automatic choice reduces across ranks) or name one that does; "
+                "'shardscale plugins' lists them."
             )
         return CompletedHandle()
 
