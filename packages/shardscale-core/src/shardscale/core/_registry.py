@@ -440,13 +440,17 @@ class Registry:
             )
         return f"{tied[0].plugin}:{tied[0].name}"
 
-    def make_backend(self, spec: str | CollectiveBackend | None = None) -> CollectiveBackend:
+    def make_backend(
+        self, spec: str | CollectiveBackend | None = None, *, source: str | None = None
+    ) -> CollectiveBackend:
         """Build a backend from a spec such as ``"counting+coalescing+c10d"``.
 
         ``None`` means: ``$SHARDSCALE_BACKEND`` if set, else the automatic
         choice: ``local`` without a process group, else the installed backend
         with the highest ``automatic_priority`` (``c10d`` with
         shardscale-collectives). A backend object is returned as it is.
+        ``source`` names where a spec string came from in error messages
+        (default: "argument"), e.g. for a spec :meth:`backend_spec` returned.
         """
         if spec is not None and not isinstance(spec, str):
             from shardscale.core._protocols import CollectiveBackend
@@ -458,7 +462,8 @@ class Registry:
                     f"group_ranks); got {type(spec).__name__} {spec!r}"
                 )
             return spec
-        spec, source = self.backend_spec(spec)
+        spec, found_in = self.backend_spec(spec)
+        source = source or found_in
         parts = [p.strip() for p in spec.split("+")]
         if not spec.strip() or any(not p for p in parts):
             raise ShardscaleError(
