@@ -208,7 +208,10 @@ def test_an_in_process_plugin_with_a_nameless_item_is_refused(registry: Registry
             return [object()]
 
     before = [p.name for p in registry.plugins()]
-    with pytest.raises(ShardscaleError, match=r"'nameless' is refused.*no string 'name'"):
+    with pytest.raises(
+        ShardscaleError,
+        match=r"plugin 'nameless' returned a backend without a string 'name'.*not registered",
+    ):
         registry.register(Nameless(), name="nameless")
     # Refused means unchanged: not registered, nothing recorded, lookups work.
     assert [p.name for p in registry.plugins()] == before

@@ -31,53 +31,67 @@ def short_repr(obj: object) -> str:
     """A short description of ``obj`` for an error message."""
     if isinstance(obj, type):
         return f"the class {obj.__module__}.{obj.__qualname__}"
+    cls = type(obj)
+    if cls.__repr__ is object.__repr__:  # the default repr only adds a memory address
+        return f"a {cls.__module__}.{cls.__qualname__} instance"
     try:
         text = repr(obj)
     except Exception:
-        text = f"<{type(obj).__name__} object>"
+        text = f"a {cls.__qualname__} instance"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+_ARTICLE = {"backend": "a backend", "middleware": "a middleware", "adapter": "an adapter",
+            "kernels": "kernels"}  # fmt: skip
+
+
 def item_problem(kind: str, obj: object) -> str | None:
-    """What is wrong with one item a plugin returned for ``kind`` (``None``: nothing)."""
+    """What is wrong with one item a plugin returned for ``kind`` (``None``: nothing).
+
+    The phrase follows "returned a <kind> ...", e.g. "without a string 'name' attribute".
+    """
     try:
         name = getattr(obj, "name", None)
         if not isinstance(name, str) or not name.strip():
-            return f"it has no string 'name' attribute (got {name!r})"
+            return f"without a string 'name' attribute (got {name!r})"
         if any(sep in name for sep in ":+,") or name != name.strip():
             return (
-                f"its name {name!r} contains ':', '+', ',' or spaces, which separate names in "
-                "backend specs and SHARDSCALE_DISABLE_PLUGINS"
+                f"named {name!r}, with ':', '+', ',' or spaces, which separate names in backend "
+                "specs and SHARDSCALE_DISABLE_PLUGINS"
             )
         if kind in _CLASS_KINDS:
             if not isinstance(obj, type):
                 return (
-                    f"a {kind} must be a class (the registry instantiates it), got an instance "
-                    f"of {type(obj).__name__}; return [{type(obj).__name__}]"
+                    f"that is an instance of {type(obj).__name__}, not a class (the registry "
+                    f"instantiates it); return [{type(obj).__name__}]"
                 )
             automatic = getattr(obj, "automatic_priority", None)
             if automatic is not None and (
                 isinstance(automatic, bool) or not isinstance(automatic, int)
             ):
-                return f"'automatic_priority' must be an int or None, got {automatic!r}"
+                return f"whose 'automatic_priority' is not an int or None: got {automatic!r}"
         else:
             if isinstance(obj, type):
-                return f"a {kind} must be an instance, got a class; return [{obj.__name__}()]"
+                return f"that is a class, not an instance; return [{obj.__name__}()]"
             priority = getattr(obj, "priority", None)
             if isinstance(priority, bool) or not isinstance(priority, int):
-                return f"'priority' must be an int (higher wins), got {priority!r}"
+                return f"whose 'priority' is not an int (higher wins): got {priority!r}"
         missing = [m for m in _METHODS.get(kind, ()) if not callable(getattr(obj, m, None))]
         if missing:
-            return f"it lacks the method(s) {', '.join(missing)} a {kind} must have"
+            return f"without the method(s) {', '.join(missing)} every {kind} must have"
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # a property that raises is a broken item, not a broken registry
-        return f"reading its attributes raised {describe_exception(exc)}"
+        return f"whose attributes raise {describe_exception(exc)}"
     return None
 
 
 def call_item_hook(function: Any, hook: str, kind: str) -> tuple[list[Any], list[str]]:
-    """Call one plugin's ``hook`` implementation; return (well-formed items, problems)."""
+    """Call one plugin's ``hook`` implementation; return (well-formed items, problems).
+
+    A problem with the hook starts with its name (``"shardscale_...() raised ..."``);
+    one with an item starts with ``"returned"`` (``"returned a backend without ..."``).
+    """
     try:
         result = function()
     except KeyboardInterrupt:
@@ -96,5 +110,8 @@ def call_item_hook(function: Any, hook: str, kind: str) -> tuple[list[Any], list
         if problem is None:
             items.append(obj)
         else:
-            problems.append(f"{hook}() item {index} ({short_repr(obj)}): {problem}")
+            problems.append(
+                f"returned {_ARTICLE[kind]} {problem} from {hook}() (item {index}: "
+                f"{short_repr(obj)})"
+            )
     return items, problems

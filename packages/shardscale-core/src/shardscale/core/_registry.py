@@ -236,9 +236,13 @@ class Registry:
             _, problems = self._collect_plugin(plugin_name)
             if problems:
                 self._pm.unregister(plugin, name=plugin_name)
+                said = "; ".join(
+                    f"plugin {plugin_name!r} {p}" if p.startswith("returned") else p
+                    for p in problems
+                )
                 raise ShardscaleError(
-                    f"the in-process plugin {plugin_name!r} is refused: {'; '.join(problems)}. "
-                    "Fix it and register it again."
+                    f"{said}. The in-process plugin {plugin_name!r} was not registered: fix it "
+                    "and register it again."
                 )
             self._origins[plugin_name] = (IN_PROCESS, "")
             self._catalog = None
@@ -297,7 +301,7 @@ class Registry:
                         version,
                         problem,
                         fix=failure_fix(plugin_name, dist),
-                        stage="item" if "() item " in problem else "hook",
+                        stage="item" if problem.startswith("returned") else "hook",
                     )
                     for problem in problems
                 ]
@@ -457,7 +461,7 @@ class Registry:
 
             if not isinstance(spec, CollectiveBackend):
                 raise TypeError(
-                    f"backend must be a spec string such as 'c10d' or 'counting+c10d', or an "
+                    f"backend must be a spec string such as 'local' or '<middleware>+<backend>', or an "
                     f"object implementing CollectiveBackend (name, all_reduce, world_size, rank, "
                     f"group_ranks); got {type(spec).__name__} {spec!r}"
                 )
@@ -468,14 +472,14 @@ class Registry:
         if not spec.strip() or any(not p for p in parts):
             raise ShardscaleError(
                 f"backend spec {spec!r} (from {source}) has an empty name; write names joined by "
-                "'+', middleware first and a backend last, e.g. 'counting+c10d'."
+                f"'+', middleware first and a backend last, e.g. {self._example_chain()}."
             )
         *middle, last = parts
         backend_names = self.names("backend")
         if not self._matches("backend", last) and self._matches("middleware", last):
             raise ShardscaleError(
                 f"backend spec {spec!r} (from {source}) ends in the middleware {last!r}; a chain "
-                f"must end in a backend, e.g. '{spec}+<backend>'. Backends: "
+                f"must end in a backend, e.g. {self._example_chain(spec)}. Backends: "
                 f"{', '.join(backend_names) or '(none)'}."
             )
         try:
@@ -506,6 +510,17 @@ class Registry:
                 )
             backend = self.middleware_class(mw_name)(backend)
         return backend
+
+    def _example_chain(self, middleware: str | None = None) -> str:
+        """A chain to show in an error message, made of what is installed here."""
+        try:
+            backend = self._automatic_backend(True).rpartition(":")[2]
+        except ShardscaleError:
+            backend = "local" if "local" in self.names("backend") else "<backend>"
+        if middleware is None:
+            installed = self.names("middleware")
+            middleware = installed[0] if installed else "<middleware>"
+        return f"'{middleware}+{backend}'"
 
     def _ranked_adapters(self) -> tuple[list[_Item], dict[int, list[_Item]]]:
         """Adapters highest priority first, and each one's equal-priority rivals."""
@@ -717,8 +732,8 @@ class Registry:
 def _warn(failure: LoadFailure) -> None:
     version = f" {failure.version}" if failure.version else ""
     warnings.warn(
-        f"shardscale plugin {failure.name!r} ({failure.distribution}{version}) was set aside: "
-        f"{failure.error}. The other plugins work. Fix: {failure.fix}.",
+        f"shardscale plugin {failure.name!r} ({failure.distribution}{version}) failed and is "
+        f"left out: {failure.error}. Everything else still works. Fix: {failure.fix}.",
         PluginWarning,
         stacklevel=4,
     )
