@@ -16,9 +16,9 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -161,6 +161,13 @@ def _plugin_fix(exc: BaseException, source: str = "") -> str:
             "failed to load")  # fmt: skip
 
 
+def _say(exc: BaseException) -> str:
+    """shardscale's own errors in full (they name the problem and the fix); others in one line."""
+    from shardscale.core import ShardscaleError
+
+    return str(exc) if isinstance(exc, ShardscaleError) else _one_line(exc)
+
+
 def _one_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
@@ -173,7 +180,7 @@ def _build_checks(spec: str, source: str) -> tuple[list[Finding], bool]:
     """
     import torch
 
-    from shardscale.core import ShardscaleError, get_registry
+    from shardscale.core import get_registry
 
     reg = get_registry()
     out: list[Finding] = []
@@ -186,9 +193,9 @@ def _build_checks(spec: str, source: str) -> tuple[list[Finding], bool]:
             chain.append(f"{getattr(node, 'name', '?')} ({type(node).__name__})")
             node = getattr(node, "inner", None)
         out.append(Finding("backend", "ok", f"{spec!r} from {source}: {' -> '.join(chain)}"))
-    except ShardscaleError as exc:
+    except Exception as exc:  # a plugin's constructor may raise anything
         built = False
-        out.append(Finding("backend", "error", f"{spec!r} from {source} cannot be built: {exc}",
+        out.append(Finding("backend", "error", f"{spec!r} from {source} cannot be built: {_say(exc)}",
                            _plugin_fix(exc, source)))  # fmt: skip
     items = reg.items()
     adapters = [i for i in items if i.kind == "adapter"]
@@ -208,8 +215,8 @@ def _build_checks(spec: str, source: str) -> tuple[list[Finding], bool]:
             info = next((i for i in items if i.kind == "kernels" and i.name == k.name), None)
             where = f"{info.distribution}, priority {info.priority}" if info else "?"
             out.append(Finding(f"kernels ({device.type})", "ok", f"{k.name} ({where})"))
-        except ShardscaleError as exc:
-            out.append(Finding(f"kernels ({device.type})", "error", str(exc), _plugin_fix(exc)))
+        except Exception as exc:
+            out.append(Finding(f"kernels ({device.type})", "error", _say(exc), _plugin_fix(exc)))
     for i in items:
         if i.kind == "kernels" and not i.usable:
             out.append(Finding(f"kernels ({i.name})", "info",
@@ -287,7 +294,11 @@ def _connect_check(spec: str, built: bool) -> list[Finding]:
         return [Finding("process group", "error",
                         f"not attempted: the backend chain {spec!r} cannot be built (see 'backend')",
                         "fix the plugin problem above first; MASTER_ADDR/MASTER_PORT were not tried")]  # fmt: skip
-    impl = get_registry().make_backend(spec)
+    try:
+        impl = get_registry().make_backend(spec)
+    except Exception as exc:
+        return [Finding("process group", "error", f"not attempted: the backend chain {spec!r} "
+                        f"cannot be built: {_say(exc)}", _plugin_fix(exc))]  # fmt: skip
     use_cuda = torch.cuda.is_available()
     try:
         if not dist.is_initialized():
@@ -392,6 +403,19 @@ def _plugin_checks() -> Iterator[Finding]:
                           f"pip install {dist_name}")  # fmt: skip
 
 
+_T = TypeVar("_T")
+
+
+def _guarded(check: str, run: Callable[[], _T], empty: _T, crashes: list[Finding]) -> _T:
+    """Run one group of checks; a crash of doctor itself becomes a finding, not a traceback."""
+    try:
+        return run()
+    except Exception as exc:
+        crashes.append(Finding(check, "error", f"this check itself failed: {_one_line(exc)}",
+                               "please report it with the output of 'shardscale doctor --json'"))  # fmt: skip
+        return empty
+
+
 def run_checks(*, connect: bool = False, backend: str | None = None) -> list[Finding]:
     """Every check, in order.
 
@@ -417,17 +441,24 @@ def run_checks(*, connect: bool = False, backend: str | None = None) -> list[Fin
                                     _plugin_fix(exc)))  # fmt: skip
             spec, source = "", ""
         built = False
+        crashes: list[Finding] = []
         if spec:
-            build, built = _build_checks(spec, source)
+            nothing: tuple[list[Finding], bool] = ([], False)
+            build, built = _guarded("build", lambda: _build_checks(spec, source), nothing, crashes)
             findings += build
         findings += launch
         if connect and launched:
-            findings += _connect_check(spec, built)
+            findings += _guarded("process group", lambda: _connect_check(spec, built), [], crashes)
         elif built:
-            findings.append(
-                _private_step_check(spec, needs_group=source != "automatic choice" or launched)
+            needs_group = source != "automatic choice" or launched
+            findings += _guarded(
+                "scaler step",
+                lambda: [_private_step_check(spec, needs_group=needs_group)],
+                [],
+                crashes,
             )
-        findings += list(_plugin_checks())
+        findings += _guarded("plugins", lambda: list(_plugin_checks()), [], crashes)
+    findings += crashes
     return findings
 
 
