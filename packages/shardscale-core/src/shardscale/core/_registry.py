@@ -554,11 +554,23 @@ class Registry:
 
     def adapter_for(self, param: torch.Tensor) -> GradAdapter:
         """The adapter that describes ``param``'s gradient."""
-        ranked, rivals = self._ranked_adapters()
+        # Called once per parameter per step: read the ranked list without the lock when ready.
+        catalog = self._catalog
+        if catalog is not None and catalog.adapters_ranked is not None:
+            ranked, rivals = catalog.adapters_ranked, catalog.adapter_rivals
+        else:
+            ranked, rivals = self._ranked_adapters()
         for it in ranked:
-            if not self._claims(it, param):
+            try:
+                claimed = bool(it.obj.claims(param))
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # see [Note: one bad plugin cannot break the house]
+                self._set_item_aside(it, "claims", exc)
                 continue
-            same = [o for o in rivals.get(id(it), ()) if self._claims(o, param)]
+            if not claimed:
+                continue
+            same = [o for o in rivals.get(id(it), ()) if self._claims(o, param)] if rivals else []
             if same:
                 raise PluginConflictError(
                     f"{' and '.join(self._describe_item(x) for x in (it, *same))} all claim a "
