@@ -80,6 +80,12 @@ class _ExitingHook:
         raise SystemExit(3)
 
 
+class _Wrapper:
+    @hookimpl(wrapper=True)
+    def shardscale_on_step(self, record: Any) -> Any:
+        return (yield)
+
+
 class _HighAdapter(PlainTensorAdapter):
     name: ClassVar[str] = "high"
     priority: ClassVar[Any] = "high"
@@ -101,8 +107,9 @@ class _StringPriority:
             _StringPriority(),
             r"plugin 'bad' returned an adapter whose 'priority' is not an int .*got 'high'",
         ),
+        (_Wrapper(), r"shardscale_on_step\(\) is a hook wrapper"),
     ],
-    ids=["raises", "bare-class", "system-exit", "string-priority"],
+    ids=["raises", "bare-class", "system-exit", "string-priority", "wrapper"],
 )
 def test_an_in_process_plugin_whose_hook_fails_is_refused_and_changes_nothing(
     registry: Registry, plugin: object, message: str

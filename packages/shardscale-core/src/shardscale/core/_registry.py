@@ -272,10 +272,17 @@ class Registry:
         items: list[_Item] = []
         problems: list[str] = []
         for hook_name, kind in _hookspecs.HOOK_KINDS.items():
-            if kind not in _ITEM_KINDS:
-                continue
             for impl in getattr(self._pm.hook, hook_name).get_hookimpls():
                 if impl.plugin_name != plugin_name:
+                    continue
+                if impl.hookwrapper or impl.wrapper:
+                    # Each plugin's hook is called on its own, so there is nothing to wrap.
+                    problems.append(
+                        f"{hook_name}() is a hook wrapper, which shardscale does not call; "
+                        "drop wrapper=True/hookwrapper=True and return (or observe) directly"
+                    )
+                    continue
+                if kind not in _ITEM_KINDS:
                     continue
                 objs, bad = call_item_hook(impl.function, hook_name, kind)
                 items += [_Item(str(obj.name), kind, obj, plugin_name) for obj in objs]
@@ -666,7 +673,8 @@ class Registry:
         return [
             impl
             for impl in reversed(impls)
-            if (impl.plugin_name, "observer", "shardscale_on_step") not in self._set_aside
+            if not (impl.hookwrapper or impl.wrapper)  # reported as a failure by _collect
+            and (impl.plugin_name, "observer", "shardscale_on_step") not in self._set_aside
         ]
 
     def has_step_observers(self) -> bool:
