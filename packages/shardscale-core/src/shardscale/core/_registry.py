@@ -231,7 +231,7 @@ class Registry:
                 )
             try:
                 self._pm.register(plugin, name=plugin_name)
-            except ValueError as exc:  # pluggy: the same object twice, or a bad hook signature
+            except Exception as exc:  # pluggy: the same object twice, or a bad hook signature
                 raise ShardscaleError(f"cannot register {plugin_name!r}: {exc}") from exc
             _, problems = self._collect_plugin(plugin_name)
             if problems:
