@@ -360,3 +360,16 @@ def test_warnings_are_plugin_warnings_and_a_healthy_registry_gives_none(
         registry.failures()
         assert _two_steps(registry) == _STEPPED
     assert issubclass(PluginWarning, UserWarning)
+
+
+def test_kernels_named_by_the_caller_whose_supports_raises_say_so(
+    registry: Registry, registered: list[str]
+) -> None:
+    from shardscale.core import BackendUnavailableError
+
+    registered.append(registry.register(_KernelsPlugin(_RaisingSupports()), name="named-k"))
+    with (
+        pytest.warns(PluginWarning),
+        pytest.raises(BackendUnavailableError, match=r"'raising-supports' failed.*no idea"),
+    ):
+        registry.kernels_for(torch.device("cpu"), "raising-supports")

@@ -621,6 +621,12 @@ class Registry:
             matches = self._matches("kernels", name)
             kernels: StatsKernels = self._lookup("kernels", name)
             if not self._supports(matches[0], device):
+                failed = self._set_aside.get(matches[0].key)
+                if failed is not None:
+                    raise BackendUnavailableError(
+                        f"kernels {name!r} failed on device {device}: {failed.error}. Fix: "
+                        f"{failed.fix}; or choose other kernels with kernels=..."
+                    )
                 reason = _unavailable_reason(kernels)
                 raise BackendUnavailableError(
                     f"kernels {name!r} do not support device {device}"
