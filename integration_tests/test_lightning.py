@@ -303,9 +303,7 @@ def test_ddp_unfused_adamw_clip_skip_and_resume(pool2: Pool, tmp_path: Path) -> 
     _check_resume(results)
 
 
-def test_fsdp2_model_parallel_fused_adamw_clip_skip_and_resume(
-    pool2: Pool, tmp_path: Path
-) -> None:
+def test_fsdp2_model_parallel_fused_adamw_clip_skip_and_resume(pool2: Pool, tmp_path: Path) -> None:
     results = pool2.run(
         _shardscale_case, "model_parallel", True, False, str(tmp_path / "fsdp2.ckpt")
     )

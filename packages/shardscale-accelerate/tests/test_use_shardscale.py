@@ -103,10 +103,12 @@ def test_accelerate_still_builds_its_own_optimizer_and_uses_the_scaler_hook_poin
 
 
 def test_bad_calls_name_the_problem_and_change_nothing() -> None:
-    with pytest.raises(TypeError, match="takes an accelerate.Accelerator, got str"):
+    with pytest.raises(TypeError, match=r"takes an accelerate\.Accelerator, got str"):
         use_shardscale("accelerator")  # type: ignore[arg-type]
     acc = _accelerator()
-    with pytest.raises(TypeError, match="takes a shardscale.core.ShardedGradScaler, got GradScaler"):
+    with pytest.raises(
+        TypeError, match=r"takes a shardscale\.core\.ShardedGradScaler, got GradScaler"
+    ):
         use_shardscale(acc, scaler=torch.amp.GradScaler("cpu"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="either a scaler or scaler options"):
         use_shardscale(acc, scaler=ShardedGradScaler("cpu"), init_scale=2.0)
@@ -165,7 +167,7 @@ def _loop(acc: Accelerator, *, fused: bool, overflow_at: int, steps: int, clip: 
 def test_fused_adamw_overflow_is_reported_and_the_scheduler_holds(tmp_path: Path) -> None:
     acc = _accelerator()
     scaler = use_shardscale(acc, init_scale=512.0)
-    model, opt, sched, rows = _loop(acc, fused=True, overflow_at=1, steps=4, clip=0.1)
+    _model, opt, sched, rows = _loop(acc, fused=True, overflow_at=1, steps=4, clip=0.1)
     assert isinstance(opt, ShardscaleAcceleratedOptimizer)
     assert [skipped for skipped, _ in rows] == [False, True, False, False]
     assert not math.isfinite(rows[1][1]) and all(math.isfinite(n) for _, n in rows[2:])
@@ -185,7 +187,7 @@ def test_bf16_clip_is_torchs_clip_with_the_scaler_off() -> None:
     # No loss scaling, only the clipping: the same numbers as torch's clip_grad_norm_.
     acc = _accelerator(mixed_precision="no")
     assert not use_shardscale(acc).is_enabled()
-    model, _, _, rows = _loop(acc, fused=False, overflow_at=-1, steps=1, clip=0.05)
+    _model, _, _, rows = _loop(acc, fused=False, overflow_at=-1, steps=1, clip=0.05)
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     g = torch.Generator().manual_seed(3)

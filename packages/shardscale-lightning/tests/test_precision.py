@@ -74,7 +74,9 @@ def test_fsdp_and_model_parallel_strategies_accept_it() -> None:
 def test_bad_arguments_name_the_problem() -> None:
     with pytest.raises(ValueError, match=r"'64-true'\) is not supported; use one of"):
         ShardscalePrecision("64-true")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="takes a shardscale.core.ShardedGradScaler, got GradScaler"):
+    with pytest.raises(
+        TypeError, match=r"takes a shardscale\.core\.ShardedGradScaler, got GradScaler"
+    ):
         ShardscalePrecision("16-mixed", scaler=torch.amp.GradScaler("cpu"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"does not scale the loss.*\['init_scale'\]"):
         ShardscalePrecision("bf16-mixed", init_scale=8.0)
@@ -171,7 +173,9 @@ def test_trainer_fused_adamw_clip_skip_and_no_host_read_in_the_step() -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )  # fmt: skip
-    data = torch.utils.data.TensorDataset(torch.randn(20, 4, generator=torch.Generator().manual_seed(1)))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(20, 4, generator=torch.Generator().manual_seed(1))
+    )
     trainer.fit(_Net(overflow_at=2), torch.utils.data.DataLoader(data, batch_size=4))
     # Fused AdamW: no host read in the step, logging included (Lightning's own plugin cannot even
     # clip here). The first step is a warm-up (the backend-chain check reads its result once).

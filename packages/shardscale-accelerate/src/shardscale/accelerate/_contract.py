@@ -86,7 +86,9 @@ def contract_problems(accelerator: Any | None = None) -> list[str]:
         if hasattr(accelerator, "_optimizers") and not isinstance(accelerator._optimizers, list):
             problems.append("Accelerator._optimizers is no longer a list")
     if problems:
-        problems.append(f"(installed accelerate {accelerate.__version__}; tested {TESTED_ACCELERATE})")
+        problems.append(
+            f"(installed accelerate {accelerate.__version__}; tested {TESTED_ACCELERATE})"
+        )
     return problems
 
 

@@ -135,7 +135,10 @@ class ShardscalePrecision(FSDPPrecision):
     # -- what the strategies call ------------------------------------------------------------
 
     def connect(
-        self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
+        self,
+        model: torch.nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        lr_schedulers: list[Any],
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer], list[Any]]:
         """Hold every ``interval="step"`` scheduler on steps the scaler skips."""
         if self.hold_schedulers and self.scaler is not None:
@@ -213,7 +216,9 @@ class ShardscalePrecision(FSDPPrecision):
         if not value or value <= 0:
             return None
         # Unset means "norm", as in LightningModule.clip_gradients.
-        if (trainer.gradient_clip_algorithm or GradClipAlgorithmType.NORM) != GradClipAlgorithmType.NORM:
+        if (
+            trainer.gradient_clip_algorithm or GradClipAlgorithmType.NORM
+        ) != GradClipAlgorithmType.NORM:
             return None
         if is_overridden("configure_gradient_clipping", model, pl.LightningModule):
             return None  # the module decides per step: clip_grad_by_norm serves its request
@@ -317,4 +322,3 @@ class ShardscalePrecision(FSDPPrecision):
         """Restore the scaler's state from a checkpoint (validated before anything changes)."""
         if self.scaler is not None:
             self.scaler.load_state_dict(state_dict)
-
