@@ -203,3 +203,26 @@ def test_listed_by_the_registry_without_importing_lightning() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"info": [["shardscale-lightning", []]], "imported": False}
+
+
+def test_shardscale_plugins_and_doctor_show_the_integration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cli = pytest.importorskip("shardscale.cli._doctor", reason="the shardscale command is absent")
+    from shardscale.cli._plugins_cmd import collect_plugins
+
+    listed = [p for p in collect_plugins()["plugins"] if p["name"] == "lightning"]
+    assert listed == [
+        {"name": "lightning", "distribution": "shardscale-lightning", "version": "0.1.0",
+         "hooks": []}
+    ]  # fmt: skip
+    mine = [f for f in cli.run_checks() if f.check == "shardscale-lightning"]
+    assert [(f.status, f.detail) for f in mine] == [
+        ("ok", f"shardscale-lightning 0.1.0 with lightning {md.version('lightning')}")
+    ]
+    # A lightning outside the declared range is a warning with the command that fixes it.
+    real = md.version
+    monkeypatch.setattr(md, "version", lambda name: "2.5.0" if name == "lightning" else real(name))
+    (finding,) = [f for f in cli.run_checks() if f.check == "shardscale-lightning"]
+    assert finding.status == "warn" and "lightning 2.5.0 is outside the range" in finding.detail
+    assert finding.fix == "pip install 'lightning<2.7,>=2.6.6'"
