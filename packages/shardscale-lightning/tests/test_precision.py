@@ -226,3 +226,31 @@ def test_shardscale_plugins_and_doctor_show_the_integration(
     (finding,) = [f for f in cli.run_checks() if f.check == "shardscale-lightning"]
     assert finding.status == "warn" and "lightning 2.5.0 is outside the range" in finding.detail
     assert finding.fix == "pip install 'lightning<2.7,>=2.6.6'"
+
+
+class _Norms(pl.Callback):
+    def __init__(self, plugin: ShardscalePrecision) -> None:
+        self.plugin = plugin
+        self.norms: list[float | None] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        norm = self.plugin.grad_norm
+        self.norms.append(None if norm is None else float(norm))
+
+
+def test_bf16_clips_by_the_global_norm_on_every_step() -> None:
+    # No scaler: clipping is shardscale.clip.clip_grad_norm_, the same norm as torch's.
+    plugin = ShardscalePrecision("bf16-mixed", device="cpu")
+    norms = _Norms(plugin)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, plugins=[plugin], max_steps=3, gradient_clip_val=1e-3,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[norms],
+    )  # fmt: skip
+    data = torch.utils.data.TensorDataset(
+        torch.randn(12, 4, generator=torch.Generator().manual_seed(1))
+    )
+    trainer.fit(_Net(overflow_at=-1), torch.utils.data.DataLoader(data, batch_size=4))
+    assert plugin.scaler is None
+    assert len(norms.norms) == 3
+    assert all(n is not None and 1e-3 < n < math.inf for n in norms.norms), norms.norms

@@ -167,9 +167,13 @@ class ShardscalePrecision(FSDPPrecision):
     ) -> Any:
         """One step: closure, unscale (fused with the clip when the Trainer clips), hooks, step, update."""
         scaler = self.scaler
+        # A new iteration for this optimizer: nothing unscaled or clipped yet.
+        self._unscaled.discard(id(optimizer))
+        self._clipped.discard(id(optimizer))
+        self._grad_norm = None
         if scaler is None or not scaler.is_enabled():
-            self._grad_norm = None
             out = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # type: ignore[arg-type]
+            self._clipped.discard(id(optimizer))
             self._log(model, optimizer)
             return out
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -177,9 +181,6 @@ class ShardscalePrecision(FSDPPrecision):
                 "LBFGS re-evaluates its closure, which loss scaling cannot follow; use another "
                 "optimizer with precision='16-mixed', or precision='bf16-mixed'."
             )
-        self._unscaled.discard(id(optimizer))
-        self._clipped.discard(id(optimizer))
-        self._grad_norm = None
         closure_result = closure()
         automatic = not isinstance(model, pl.LightningModule) or model.automatic_optimization
         if closure_result is None and automatic:
