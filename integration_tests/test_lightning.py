@@ -1,7 +1,8 @@
 """A real Lightning ``Trainer`` on 2 gloo ranks with ``ShardscalePrecision``, overflow on one rank.
 
-Strategies exercised on CPU: ``DDPStrategy`` and ``ModelParallelStrategy``
-(FSDP2 ``fully_shard`` in ``configure_model``). Lightning's ``"fsdp"`` strategy
+Strategies exercised on CPU: ``DDPStrategy`` and ``ModelParallelStrategy``,
+both as FSDP2 (``fully_shard`` in ``configure_model``) and as tensor parallel
+(``parallelize_module``, column- then row-wise). Lightning's ``"fsdp"`` strategy
 (FSDP1) refuses a CPU accelerator and torch's FSDP1 needs an accelerator
 device, so it is not exercised here (docs/lightning.md says so).
 
@@ -55,18 +56,28 @@ def _launch_env() -> None:
 
 
 class _Net(pl.LightningModule):
-    def __init__(self, *, fused: bool, fsdp2: bool, override_clip: bool) -> None:
+    def __init__(self, *, fused: bool, layout: str, override_clip: bool) -> None:
         super().__init__()
         torch.manual_seed(0)  # identical initial weights on every rank
         self.net = torch.nn.Sequential(
             torch.nn.Linear(DIM, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
         )
         self.fused = fused
-        self.fsdp2 = fsdp2
+        self.layout = layout
         self.override_clip = override_clip
 
     def configure_model(self) -> None:
-        if not self.fsdp2:
+        if self.layout == "tensor_parallel":
+            from torch.distributed.tensor.parallel import (
+                ColwiseParallel,
+                RowwiseParallel,
+                parallelize_module,
+            )
+
+            tp = self.device_mesh["tensor_parallel"]
+            parallelize_module(self.net, tp, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            return
+        if self.layout != "model_parallel":
             return
         from torch.distributed.fsdp import fully_shard
 
@@ -156,11 +167,11 @@ def _full_params(module: torch.nn.Module) -> list[torch.Tensor]:
 def _trainer(plugin: Any, strategy: str, steps: int, recorder: _Recorder, **kw: Any) -> Any:
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-    strat: Any = (
-        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-        if strategy == "model_parallel"
-        else DDPStrategy()
-    )
+    strat: Any = DDPStrategy()
+    if strategy == "model_parallel":  # FSDP2 over both ranks
+        strat = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    elif strategy == "tensor_parallel":  # both ranks hold shards of every weight
+        strat = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
     return pl.Trainer(
         accelerator="cpu", devices=2, strategy=strat, plugins=[plugin], max_steps=steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -168,8 +179,9 @@ def _trainer(plugin: Any, strategy: str, steps: int, recorder: _Recorder, **kw: 
     )  # fmt: skip
 
 
-def _loader(rank: int, steps: int) -> torch.utils.data.DataLoader[Any]:
-    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+def _loader(rank: int, steps: int, *, same: bool = False) -> torch.utils.data.DataLoader[Any]:
+    # Each rank its own data, except under tensor parallelism, where ranks share the batch.
+    g = torch.Generator().manual_seed(100 + (0 if same else rank))
     data = torch.utils.data.TensorDataset(torch.randn(steps * BATCH, DIM, generator=g))
     return torch.utils.data.DataLoader(data, batch_size=BATCH)
 
@@ -179,14 +191,15 @@ def _shardscale_case(strategy: str, fused: bool, override_clip: bool, ckpt: str 
 
     _launch_env()
     rank = dist.get_rank()
-    fsdp2 = strategy == "model_parallel"
+    sharded_ckpt = strategy != "ddp"  # ModelParallel saves a distributed checkpoint (a directory)
+    same = strategy == "tensor_parallel"
     cls = _OverrideClip if override_clip else _Net
-    model = cls(fused=fused, fsdp2=fsdp2, override_clip=override_clip)
+    model = cls(fused=fused, layout=strategy, override_clip=override_clip)
     plugin = ShardscalePrecision("16-mixed", device="cpu", init_scale=INIT_SCALE)
     rec = _Recorder(plugin)
     clip_kw = {} if override_clip else {"gradient_clip_val": CLIP}
     trainer = _trainer(plugin, strategy, STEPS, rec, **clip_kw)
-    trainer.fit(model, _loader(rank, STEPS + 2))
+    trainer.fit(model, _loader(rank, STEPS + 2, same=same))
     out: dict[str, Any] = {
         "steps": rec.steps,
         "params": _full_params(model),
@@ -197,14 +210,14 @@ def _shardscale_case(strategy: str, fused: bool, override_clip: bool, ckpt: str 
         return out
     trainer.save_checkpoint(ckpt)
     dist.barrier()
-    if not fsdp2:
+    if not sharded_ckpt:
         out["saved"] = torch.load(ckpt, weights_only=False)[type(plugin).__qualname__]
     # Resume into a fresh plugin built with another scale: the checkpoint's must win.
     plugin2 = ShardscalePrecision("16-mixed", device="cpu", init_scale=2.0**16)
     rec2 = _Recorder(plugin2)
-    model2 = cls(fused=fused, fsdp2=fsdp2, override_clip=override_clip)
+    model2 = cls(fused=fused, layout=strategy, override_clip=override_clip)
     trainer2 = _trainer(plugin2, strategy, STEPS + 2, rec2, **clip_kw)
-    trainer2.fit(model2, _loader(rank, STEPS + 2), ckpt_path=ckpt)
+    trainer2.fit(model2, _loader(rank, STEPS + 2, same=same), ckpt_path=ckpt)
     out["resumed"] = {"start": rec2.start, "steps": rec2.steps, "params": _full_params(model2)}
     return out
 
@@ -218,7 +231,7 @@ def _lightning_own_case() -> dict[str, Any]:
     out: dict[str, Any] = {}
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", INIT_SCALE))
     trainer = _trainer(plugin, "ddp", STEPS, _NoRecorder())
-    trainer.fit(_Net(fused=False, fsdp2=False, override_clip=False), _loader(rank, STEPS))
+    trainer.fit(_Net(fused=False, layout="ddp", override_clip=False), _loader(rank, STEPS))
     out["scale"] = plugin.scaler.get_scale()
     out["sched"] = trainer.lr_scheduler_configs[0].scheduler.last_epoch
     errors = []
@@ -227,7 +240,7 @@ def _lightning_own_case() -> dict[str, Any]:
         ("model_parallel", FSDPPrecision("bf16-mixed")),
     ):
         trainer = _trainer(prec, strategy, 2, _NoRecorder(), gradient_clip_val=CLIP)
-        net = _Net(fused=strategy == "ddp", fsdp2=strategy == "model_parallel", override_clip=False)
+        net = _Net(fused=strategy == "ddp", layout=strategy, override_clip=False)
         try:
             trainer.fit(net, _loader(rank, 2))
             errors.append(None)
@@ -309,6 +322,12 @@ def test_fsdp2_model_parallel_fused_adamw_clip_skip_and_resume(pool2: Pool, tmp_
     )
     _check_run(results, fused=True)
     _check_resume(results)
+
+
+def test_tensor_parallel_unfused_adamw_clip_and_skip(pool2: Pool) -> None:
+    # Column- then row-wise sharded weights: the inf stays in one rank's shards.
+    results = pool2.run(_shardscale_case, "tensor_parallel", False, False, None)
+    _check_run(results, fused=False)
 
 
 def test_ddp_fused_adamw_module_overrides_clipping(pool2: Pool) -> None:
