@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -302,16 +303,19 @@ class ShardscalePrecision(FSDPPrecision):
         for name, value in values.items():
             # Device tensors, logger only: Lightning reads them on the host only when it writes
             # the logs (every log_every_n_steps), not per step; the progress bar would read them.
-            model.log(
-                self.log_prefix + name,
-                value,
-                on_step=True,
-                on_epoch=False,
-                prog_bar=False,
-                logger=to_logger,
-                batch_size=1,
-                sync_dist=False,  # already identical on every rank
-            )
+            try:
+                model.log(
+                    self.log_prefix + name,
+                    value,
+                    on_step=True,
+                    on_epoch=False,
+                    prog_bar=False,
+                    logger=to_logger,
+                    batch_size=1,
+                    sync_dist=False,  # already identical on every rank
+                )
+            except MisconfigurationException:
+                return  # a hook where Lightning forbids logging: the metrics are optional
 
     # -- checkpoints ---------------------------------------------------------------------------
 
