@@ -24,6 +24,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import GradScalerKwargs
 from packaging.requirements import Requirement
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardscale.accelerate import (
     TESTED_ACCELERATE,
@@ -210,3 +211,66 @@ def test_listed_by_the_registry_without_importing_accelerate() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"info": [["shardscale-accelerate", []]], "imported": False}
+
+
+def test_clip_of_a_parameter_subset_is_the_subsets_global_norm() -> None:
+    # Not one optimizer's parameters: unscale them all, then clip exactly the subset.
+    acc = _accelerator()
+    scaler = use_shardscale(acc, init_scale=128.0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))
+    opt = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.backward(model(torch.randn(4, 3)).square().mean())
+    subset = list(model[1].parameters())
+    scaled = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    norm = acc.clip_grad_norm_(subset, 1e-3)
+    unscaled = [g / 128.0 for g in scaled]
+    expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in unscaled[2:]]))
+    assert float(norm) == pytest.approx(float(expected), rel=1e-6)  # float32 norms of 15 values
+    # The other layer is unscaled and not clipped; the subset is clipped to max_norm.
+    for p, g in zip(model[0].parameters(), unscaled[:2], strict=True):
+        assert torch.equal(p.grad, g)  # type: ignore[arg-type]
+    assert float(torch.nn.utils.get_total_norm([p.grad for p in subset])) == pytest.approx(  # type: ignore[misc]
+        1e-3, rel=1e-5
+    )
+    opt.step()
+    assert not acc.optimizer_step_was_skipped and scaler.get_scale() == 128.0
+
+
+_SYNCING = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::item", "aten::equal"}
+
+
+class _HostReads(TorchDispatchMode):
+    """Every op that would make the host wait for a device value (see test_no_host_sync.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func._schema.name in _SYNCING:
+            self.seen.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_fused_backward_clip_and_step_read_nothing_on_the_host() -> None:
+    acc = _accelerator()
+    use_shardscale(acc)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    model, opt = acc.prepare(model, opt)
+    reads = []
+    for step in range(3):
+        mode = _HostReads()
+        with mode:
+            acc.backward(model(torch.randn(2, 4)).square().mean())
+            acc.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+        reads.append(mode.seen)
+        if step == 2:
+            with _HostReads() as asked:
+                assert not acc.optimizer_step_was_skipped
+            assert len(asked.seen) == 1  # the skip flag, read only when asked
+    assert reads[1:] == [[], []]  # the first step checks the backend chain once

@@ -254,3 +254,31 @@ def test_bf16_clips_by_the_global_norm_on_every_step() -> None:
     assert plugin.scaler is None
     assert len(norms.norms) == 3
     assert all(n is not None and 1e-3 < n < math.inf for n in norms.norms), norms.norms
+
+
+class _MaxGrad(pl.Callback):
+    def __init__(self) -> None:
+        self.max_abs: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        self.max_abs.append(max(float(g.abs().max()) for g in grads))
+
+
+def test_value_clipping_unscales_first_even_for_a_fused_optimizer() -> None:
+    # Lightning's own plugin refuses any clipping with a fused optimizer.
+    plugin = ShardscalePrecision("16-mixed", device="cpu", init_scale=2.0**10)
+    seen = _MaxGrad()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, plugins=[plugin], max_steps=3, gradient_clip_val=1e-3,
+        gradient_clip_algorithm="value", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[seen],
+    )  # fmt: skip
+    data = torch.utils.data.TensorDataset(
+        torch.randn(12, 4, generator=torch.Generator().manual_seed(1))
+    )
+    trainer.fit(_Net(overflow_at=-1), torch.utils.data.DataLoader(data, batch_size=4))
+    # Unscaled (a scaled gradient would be ~1000x larger), then clipped element-wise.
+    limit = float(torch.tensor(1e-3, dtype=torch.float32))  # the bound, rounded to the grads' dtype
+    assert len(seen.max_abs) == 3 and all(0 < m <= limit for m in seen.max_abs), seen.max_abs
+    assert plugin.scaler is not None and plugin.scaler.get_scale() == 2.0**10  # no skips
