@@ -274,3 +274,30 @@ def test_fused_backward_clip_and_step_read_nothing_on_the_host() -> None:
                 assert not acc.optimizer_step_was_skipped
             assert len(asked.seen) == 1  # the skip flag, read only when asked
     assert reads[1:] == [[], []]  # the first step checks the backend chain once
+
+
+def test_gradient_accumulation_skips_the_step_an_overflowing_micro_batch_feeds() -> None:
+    acc = _accelerator(gradient_accumulation_steps=2)
+    scaler = use_shardscale(acc, init_scale=64.0)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    model, opt = acc.prepare(model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    flags = []
+    for micro in range(4):
+        with acc.accumulate(model):
+            loss = model(torch.randn(2, 3)).square().mean()
+            acc.backward(loss * math.inf if micro == 0 else loss)  # poisons optimizer step 0
+            if acc.sync_gradients:
+                acc.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            if acc.sync_gradients:
+                flags.append(acc.optimizer_step_was_skipped)
+                if micro == 1:  # the skipped step left the weights alone
+                    assert all(
+                        torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)
+                    )
+    assert flags == [True, False] and scaler.get_scale() == 32.0
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
