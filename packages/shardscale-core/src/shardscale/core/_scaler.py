@@ -761,6 +761,16 @@ class ShardedGradScaler:
         return int(self._hysteresis_tracker.item())
 
     @property
+    def scale_tensor(self) -> torch.Tensor | None:
+        """The live scale: a 0-dim float32 tensor on the scale's device, read without a host sync.
+
+        What :meth:`get_scale` returns as a float, for loggers that keep values on
+        the device (Lightning's ``self.log``). ``None`` before the first
+        :meth:`scale` and when disabled. Treat it as read-only.
+        """
+        return self._scale if self._enabled else None
+
+    @property
     def last_step_skipped(self) -> torch.Tensor | None:
         """Whether the last ``update()`` saw an overflow: a 0-dim bool tensor on the scale's device.
 
