@@ -296,9 +296,36 @@ class ShardedGradScaler:
         if self._scale is None or self._growth_tracker is None:
             raise ScalerStateError(
                 f"{funcname}() was called before the scale exists: call "
-                "scaler.scale(loss).backward() earlier in the iteration."
+                "scaler.scale(loss).backward() (or scaler.step(optimizer)) earlier in the "
+                "iteration."
             )
         return self._scale, self._growth_tracker
+
+    def _ensure_scale(self, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scale, created from ``init_scale`` if this scaler never scaled a loss.
+
+        [Note: a stage that never calls scale()]
+        In a pipeline only the last stage computes (and scales) the loss; the
+        other stages' gradients arrive already scaled through the pipeline's
+        sends. torch's scalers raise there (``_scale is None``). Here the scale
+        is created on first need from ``init_scale`` -- the number every rank
+        was built with -- so it is identical on every stage from the first
+        step, and every later value follows from the same reduced decisions.
+        """
+        if self._scale is None or self._growth_tracker is None:
+            self._lazy_init_scale_growth_tracker(self._scale_device(optimizer))
+        assert self._scale is not None and self._growth_tracker is not None
+        return self._scale, self._growth_tracker
+
+    def _scale_device(self, optimizer: torch.optim.Optimizer) -> torch.device:
+        # Where scale() would have put it: beside the gradients of this scaler's device type.
+        for param in optimizer_params(optimizer):
+            grad = param.grad
+            if grad is not None and grad.device.type == self._device:
+                return grad.device
+        if self._device == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self._device)
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
@@ -425,8 +452,8 @@ class ShardedGradScaler:
         if not self._enabled:
             return None
         what = "unscale_()" if max_norm is None else "unscale_and_clip_()"
-        self._check_scale_growth_tracker(what.rstrip("()"))
         state = self._check_can_unscale(optimizer, what)
+        self._ensure_scale(optimizer)
         if max_norm is None:
             # Lazy: the flag is awaited at step(), so a coalescing middleware can merge several
             # optimizers' reductions; a peer's error surfaces there too, the grads being
@@ -475,8 +502,8 @@ class ShardedGradScaler:
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Any]:
         """torch's private helper: check (without unscaling) and record the reduced flags."""
-        self._check_scale_growth_tracker("_check_inf_per_device")
         state = self._opt_state(optimizer)
+        self._ensure_scale(optimizer)
         result = self._run(optimizer, Apply.NOTHING)
         state["found_inf_per_device"] = {result.found_inf.device: result.found_inf}
         found: dict[torch.device, Any] = state["found_inf_per_device"]
@@ -502,8 +529,8 @@ class ShardedGradScaler:
                 "step() got a closure, which gradient scaling does not support: compute the "
                 "loss, call scaler.scale(loss).backward(), then scaler.step(optimizer)."
             )
-        scale, _ = self._check_scale_growth_tracker("step")
         state = self._opt_state(optimizer)
+        scale, _ = self._ensure_scale(optimizer)
         if state.stage is OptState.STEPPED:
             raise RuntimeError(
                 "step() was already called for this optimizer since the last update(); call "
