@@ -28,7 +28,7 @@ import math
 import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
@@ -57,6 +57,7 @@ from shardscale.core._step_engine import (
     PrecomputedNorms,
     StepConfig,
     StepResult,
+    distinct_param_ids,
     poll_errors,
     run_step,
 )
@@ -153,6 +154,11 @@ class ShardedGradScaler:
         distinct_dims: mesh dimension names whose coordinates hold different
             parameters (pipeline stages); ``"*"`` marks plain tensors as distinct
             on every rank. Used by clipping to avoid double counting.
+        distinct_params: plain-tensor parameters that this rank holds its own
+            of while the other plain parameters are replicated: the experts
+            placed on this rank in a plain-tensor expert-parallel model (each
+            rank passes its own). They count towards the norm on every rank;
+            DTensor experts need nothing here (docs/moe.md).
         registry: the plugin registry (default: the process-wide one).
     """
 
@@ -169,6 +175,8 @@ class ShardedGradScaler:
     _max_scale: float | None
     process_group: ProcessGroup | None
     _distinct_dims: frozenset[str]
+    _distinct_params: frozenset[int]
+    _distinct_refs: tuple[torch.Tensor, ...]
     _registry: Registry | None
     _kernels_name: str | None
     _backend_spec: str | CollectiveBackend | None
@@ -200,6 +208,7 @@ class ShardedGradScaler:
         min_scale: float | None = None,
         max_scale: float | None = None,
         distinct_dims: Iterable[str] = (),
+        distinct_params: Iterable[torch.Tensor] = (),
         registry: Registry | None = None,
     ) -> None:
         if not isinstance(device, str):
@@ -236,6 +245,12 @@ class ShardedGradScaler:
                 f"{distinct_dims!r}; write e.g. distinct_dims=({distinct_dims!r},)"
             )
         self._distinct_dims = frozenset(distinct_dims)
+        self._distinct_params = distinct_param_ids(distinct_params)
+        # Kept alive so that no other tensor can reuse a declared parameter's id() (an
+        # iterator is spent by now: its tensors are the caller's model's, alive anyway).
+        self._distinct_refs = (
+            tuple(distinct_params) if isinstance(distinct_params, Sequence) else ()
+        )
         self._registry = registry
         self._kernels_name = kernels
         self._backend_spec = backend
@@ -287,6 +302,7 @@ class ShardedGradScaler:
             group=self.process_group,
             kernels=self._kernels_name,
             distinct_dims=self._distinct_dims,
+            distinct_params=self._distinct_params,
         )
 
     def _adapter_context(self) -> AdapterContext:
