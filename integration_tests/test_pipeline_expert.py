@@ -28,7 +28,6 @@ same arithmetic whatever the compute dtype.
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
@@ -455,7 +454,7 @@ def check(results: list[dict[str, Any]]) -> None:
     expected = [("sum", 5 * world + 1)]  # the engine's one all-reduce
     for rank, res in enumerate(results):
         assert res["norms"] == first["norms"] or all(
-            math.isnan(a) and math.isnan(b) or a == b
+            (math.isnan(a) and math.isnan(b)) or a == b
             for a, b in zip(res["norms"], first["norms"], strict=True)
         ), f"rank {rank} norms {res['norms']} != rank 0 {first['norms']}"
         assert res["scales"] == res["ref_scales"], f"rank {rank}: {res['scales']}"
@@ -549,7 +548,7 @@ def torch_recipe_case(name: str) -> dict[str, Any]:
         with CommDebugMode() as comm:  # type: ignore[no-untyped-call]
             norm = _torchtitan_style_norm(setup, params)
         out["torchtitan"] = (comm.get_total_counts(), float(norm))
-    except Exception as exc:  # noqa: BLE001 - the error is the finding
+    except Exception as exc:
         out["torchtitan"] = _error(exc)
     # torch's fp16 recipe: GradScaler.unscale_ + clip_grad_norm_ + step + update.
     for p in params:
@@ -564,7 +563,7 @@ def torch_recipe_case(name: str) -> dict[str, Any]:
             scaler.step(opt)
             scaler.update()
         out["torch"] = (comm.get_total_counts(), float(_plain(norm)))
-    except Exception as exc:  # noqa: BLE001 - the error is the finding
+    except Exception as exc:
         out["torch"] = _error(exc)
     return out
 
