@@ -114,7 +114,9 @@ def train(style: str) -> None:
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("efsdp", "ep"))
         for name in ("w1", "w2"):
             full = getattr(model.experts, name).detach()
-            setattr(model.experts, name, nn.Parameter(distribute_tensor(full, mesh["ep"], [Shard(0)])))
+            setattr(
+                model.experts, name, nn.Parameter(distribute_tensor(full, mesh["ep"], [Shard(0)]))
+            )
         fully_shard(model.experts, mesh=mesh["efsdp"], shard_placement_fn=lambda p: Shard(1))
         dense_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         for layer in dense:
