@@ -614,3 +614,33 @@ def test_torch_recipe_baseline(pool4: Pool, name: str) -> None:
             assert abs(titan[1] - ref) <= rtol * ref, (titan, ref)
         else:  # it takes DTensor parameters only
             assert isinstance(titan, str) and "DTensor" in titan, titan
+
+
+def dtensor_in_distinct_params_case() -> tuple[str, str]:
+    """Rank 0 alone wrongly declares a DTensor expert in distinct_params; every rank must stop."""
+    from shardscale.clip import unscale_and_clip_
+    from shardscale.core import ShardedGradScaler
+
+    setup = ExpertSetup(style="ep")
+    wrong = [setup.model.experts.w1] if dist.get_rank() == 0 else []
+    scaler = ShardedGradScaler("cpu", distinct_params=wrong, **SCALER_KW)
+    opt = torch.optim.SGD(setup.params(), lr=0.1)
+    x, y = batch(0)
+    setup.forward_backward(scaler, x, y)
+    before = [p.grad.clone() for p in setup.params() if p.grad is not None]  # type: ignore[union-attr]
+    try:
+        unscale_and_clip_(scaler, opt, MAX_NORM)
+    except Exception as exc:
+        after = [p.grad for p in setup.params() if p.grad is not None]
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # type: ignore[arg-type]
+        return type(exc).__name__, f"{exc} unchanged={unchanged}"
+    return "none", ""
+
+
+def test_a_wrong_declaration_on_one_rank_stops_every_rank(pool4: Pool) -> None:
+    results: list[tuple[str, str]] = pool4.run(dtensor_in_distinct_params_case)  # type: ignore[assignment]
+    kind, message = results[0]
+    assert kind == "ValueError" and "distinct_dims" in message, results[0]
+    for other_kind, other in results[1:]:
+        assert other_kind == "StepError" and "rank(s) [0]" in other, other
+    assert all(m.endswith("unchanged=True") for _, m in results), results

@@ -820,6 +820,22 @@ CASES: list[Case] = [
         r"\('pp',\)",
     ),
     Case(
+        "ctor-distinct-params-one-tensor",
+        _w("updated"),
+        lambda w: _scaler_ctor(distinct_params=w.params[0])(w),
+        TypeError,
+        r"distinct_params takes an iterable",
+        r"wrap a single parameter in a list",
+    ),
+    Case(
+        "ctor-distinct-params-not-tensors",
+        _w("updated"),
+        _scaler_ctor(distinct_params=["w1"]),
+        TypeError,
+        r"distinct_params takes parameters",
+        r"list\(module\.parameters\(\)\)",
+    ),
+    Case(
         "ctor-backend-not-a-backend",
         _w("updated"),
         _scaler_ctor(backend=42),
