@@ -104,3 +104,12 @@ def test_scale_created_at_step_is_init_scale_and_checkpoints() -> None:
 def test_update_without_any_step_still_refuses() -> None:
     with pytest.raises(AssertionError, match="before the scale exists"):
         ShardedGradScaler("cpu", **KW).update()
+
+
+def test_distinct_params_follow_a_copy_of_model_and_scaler() -> None:
+    """A deep copy of (model, scaler) declares the copied parameters, not the originals."""
+    model, _ = _stages()
+    scaler = ShardedGradScaler("cpu", distinct_params=iter([model.weight]), **KW)
+    assert scaler.step_config.distinct_params == {id(model.weight)}
+    model2, scaler2 = copy.deepcopy((model, scaler))
+    assert scaler2.step_config.distinct_params == {id(model2.weight)}

@@ -28,7 +28,7 @@ import math
 import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
@@ -158,7 +158,9 @@ class ShardedGradScaler:
             of while the other plain parameters are replicated: the experts
             placed on this rank in a plain-tensor expert-parallel model (each
             rank passes its own). They count towards the norm on every rank;
-            DTensor experts need nothing here (docs/moe.md).
+            DTensor experts need nothing here (docs/moe.md). Not part of
+            ``state_dict``; a pickled or deep-copied scaler refers to the
+            copies of these parameters only when its model is copied with it.
         registry: the plugin registry (default: the process-wide one).
     """
 
@@ -245,12 +247,14 @@ class ShardedGradScaler:
                 f"{distinct_dims!r}; write e.g. distinct_dims=({distinct_dims!r},)"
             )
         self._distinct_dims = frozenset(distinct_dims)
+        if isinstance(distinct_params, Iterable) and not isinstance(
+            distinct_params, (torch.Tensor, str, bytes)
+        ):
+            distinct_params = tuple(distinct_params)  # an iterator is read once, here
         self._distinct_params = distinct_param_ids(distinct_params)
-        # Kept alive so that no other tensor can reuse a declared parameter's id() (an
-        # iterator is spent by now: its tensors are the caller's model's, alive anyway).
-        self._distinct_refs = (
-            tuple(distinct_params) if isinstance(distinct_params, Sequence) else ()
-        )
+        # Kept alive so that no other tensor can reuse a declared parameter's id(), and so that
+        # a copy of the scaler together with its model (pickle, deepcopy) finds the copies.
+        self._distinct_refs = tuple(distinct_params)  # type: ignore[arg-type]
         self._registry = registry
         self._kernels_name = kernels
         self._backend_spec = backend
@@ -921,3 +925,5 @@ class ShardedGradScaler:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        # id()s do not survive a copy: take them again from the (copied) declared parameters.
+        self._distinct_params = frozenset(id(p) for p in self._distinct_refs)
