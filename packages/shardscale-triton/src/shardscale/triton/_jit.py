@@ -100,7 +100,7 @@ def stats_kernel(  # type: ignore[no-untyped-def]
         safe = tl.where((m > 0) & (m < float("inf")), m, 1.0)
         s = tl.sum(_pow(a / safe, p), axis=0)
     else:
-        s = m * 0.0
+        s = tl.zeros_like(m)
     tl.store(part_m + b, tl.where(has_nan > 0, float("nan"), m))
     tl.store(part_s + b, s)
     # acq_rel: our partials are visible before the count moves; the last program sees them all.
