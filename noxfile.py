@@ -30,6 +30,7 @@ DISTS = [
     "shardscale-collectives",
     "shardscale-clip",
     "shardscale-fsdp",
+    "shardscale-triton",
     "shardscale",
 ]
 # numpy: torch's own test-side tools (CommDebugMode, all_gather_object, DCP) import it.
@@ -59,7 +60,10 @@ def _run_tests(session: nox.Session, torch_version: str) -> None:
     paths = [str(ROOT / "packages" / d / "tests") for d in DISTS] + [
         str(ROOT / "integration_tests")
     ]
-    session.run("pytest", *paths, *session.posargs)
+    # Triton's interpreter for shardscale-triton's CPU tests: it must be on before anything
+    # imports triton, and it changes nothing else (the kernels claim the CPU only where a test
+    # also sets SHARDSCALE_TRITON_INTERPRET=1).
+    session.run("pytest", *paths, *session.posargs, env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session(python=PYTHON)
@@ -119,7 +123,8 @@ def stress(session: nox.Session) -> None:
 def gpu(session: nox.Session) -> None:
     """CUDA/NCCL tests (world size 1) on a machine with a GPU, using that machine's CUDA torch.
 
-    Never part of CI: without CUDA every test it selects skips.
+    Never part of CI: without CUDA every test it selects skips. shardscale-triton's kernel
+    tests run here compiled on CUDA tensors (TRITON_INTERPRET must be unset).
     """
     session.install(*TEST_DEPS)
     session.install(*_package_dirs())

@@ -7,6 +7,9 @@ Triton's compiler down to a cubin for each (kernel, dtype, mode) the kernels
 launch. It needs no driver: nothing is loaded or run.
 """
 
+# The environment is checked before triton is imported: E402 on purpose.
+# ruff: noqa: E402
+
 from __future__ import annotations
 
 import os

@@ -219,7 +219,7 @@ def test_one_launch_per_call_and_the_table_is_reused(
 
 def test_bad_input_is_refused_with_the_fix(device: str) -> None:
     kernels = TritonKernels(block=BLOCK)
-    with pytest.raises(TypeError, match="int64.*kernels='foreach'"):
+    with pytest.raises(TypeError, match=r"int64.*kernels='foreach'"):
         kernels.tensor_norms([torch.ones(3, dtype=torch.int64, device=device)], 2.0)
     with pytest.raises(ValueError, match="norm_type must be > 0"):
         kernels.tensor_norms([torch.ones(3, device=device)], 0.0)

@@ -27,6 +27,10 @@ These functions import ``triton`` absolutely: this module is
 ``shardscale.triton._jit``, and ``triton`` here is always the real package.
 """
 
+# Triton has no isnan that also runs in its interpreter: "x != x" is the nan test here, and
+# "DT == tl.bfloat16" compares a constexpr the way Triton resolves it at compile time.
+# ruff: noqa: PLR0124, SIM300
+
 from __future__ import annotations
 
 import triton

@@ -82,7 +82,6 @@ class _Triton:
             return
         try:
             import triton.language as tl
-
             from shardscale.triton import _jit
             from triton.runtime.interpreter import InterpretedFunction
         except Exception as exc:  # any import failure is a reason, never a crash
@@ -158,9 +157,7 @@ class TritonKernels:
         self.block = block
         self._self_check = self_check
         self._checked: dict[tuple[torch.device, bool], str | None] = {}
-        self._layouts: collections.OrderedDict[tuple[Any, ...], _Layout] = (
-            collections.OrderedDict()
-        )
+        self._layouts: collections.OrderedDict[tuple[Any, ...], _Layout] = collections.OrderedDict()
         self._counters: dict[tuple[Any, ...], torch.Tensor] = {}
         self._lock = threading.Lock()
 
@@ -434,7 +431,9 @@ def _self_check(kernels: TritonKernels, device: torch.device) -> str | None:
                 inv = torch.full((), 0.5, device=device)
                 kernels.unscale_and_check_(a, f_got, inv)
                 ref.unscale_and_check_(b, f_want, inv)
-                same = all(torch.equal(x.nan_to_num(), y.nan_to_num()) for x, y in zip(a, b))
+                same = all(
+                    torch.equal(x.nan_to_num(), y.nan_to_num()) for x, y in zip(a, b, strict=True)
+                )
                 if not same or f_got.item() != f_want.item():
                     return f"self-check failed on {device}: {dtype} unscale differs from foreach"
         return None
