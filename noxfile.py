@@ -86,6 +86,9 @@ def bench(session: nox.Session) -> None:
     World size 2, gloo on CPU: torch's recipe, torch again (A/A), unscale_and_clip_ and
     unscale_and_clip_ with streaming statistics, interleaved in a balanced order on 1-D and 2-D
     meshes, then the scaling table. Prints the tables; writes .nox/bench/bench.{json,md,png}.
+    With ``-- --device cuda`` the step uses shardscale-triton's kernels where they are usable
+    (run again with SHARDSCALE_DISABLE_PLUGINS=shardscale-triton for ``foreach``; GPU speed of
+    the Triton kernels has not been measured yet).
     Extra arguments go to ``shardscale bench``, e.g. ``nox -s bench -- --quick`` or
     ``-- --from-json a.json b.json c.json --markdown`` (tables and ranges of earlier runs).
     """
