@@ -107,8 +107,10 @@ def stats_kernel(  # type: ignore[no-untyped-def]
         s = tl.zeros_like(m)
     tl.store(part_m + b, tl.where(has_nan > 0, float("nan"), m))
     tl.store(part_s + b, s)
-    # acq_rel: our partials are visible before the count moves; the last program sees them all.
-    done = tl.atomic_add(counters + t, 1, sem="acq_rel")
+    # Every thread's part of the stores is done before the count moves (the barrier), and
+    # acq_rel publishes them to, and acquires them for, the program that comes last.
+    tl.debug_barrier()
+    done = tl.atomic_add(counters + t, 1, sem="acq_rel", scope="gpu")
     if done == nblk - 1:
         idx = tl.arange(0, FBLOCK)
         peak = tl.zeros([FBLOCK], dtype=ACC)
