@@ -230,3 +230,81 @@ def test_bad_input_is_refused_with_the_fix(device: str) -> None:
     with pytest.raises(ValueError, match="power of two"):
         TritonKernels(block=100)
     assert kernels.tensor_norms([], 2.0).shape == (0,)
+
+
+#: aten ops that make the host wait for a device value (integration_tests/test_no_host_sync.py).
+_SYNCING = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::item", "aten::equal"}
+
+
+def test_no_host_sync_in_any_call(device: str) -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            self.seen.add(str(func.name()))
+            return func(*args, **(kwargs or {}))
+
+    kernels = TritonKernels(block=BLOCK)
+    xs = _inputs(torch.float32, device)[:-1]
+    factor = torch.full((), 0.5, device=device)
+    flag = torch.zeros((), device=device)
+    kernels.tensor_norms(xs, 2.0)  # first use: triton loads, the self-check runs (CUDA)
+    with Ops() as ops:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            for p in (1.0, 2.0, 3.0, math.inf):
+                kernels.tensor_norms(xs, p)
+            kernels.mul_(xs, factor)
+            kernels.unscale_and_check_(xs, flag, factor)
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+    assert not ops.seen & _SYNCING, ops.seen & _SYNCING
+
+
+@pytest.mark.gpu
+def test_cuda_engine_step_launches_each_kernel_once() -> None:
+    """On a GPU: one statistics launch and one apply launch for a whole step, no host sync."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from torch.profiler import ProfilerActivity, profile
+
+    from shardscale.core import Apply, StepConfig, get_registry, run_step
+
+    registry = get_registry()
+    assert registry.kernels_for(torch.device("cuda")).name == "triton"
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=gen).cuda() for n in (1, 4097, 100_000, 0, 3)]
+    config = StepConfig(backend=registry.make_backend("local"), registry=registry)
+    scale = torch.full((), 1024.0, device="cuda")
+
+    def step() -> Any:
+        return run_step(
+            grads,
+            config,
+            apply=Apply.MULTIPLY,
+            norm_type=2.0,
+            max_norm=1.0,
+            scale=scale,
+            as_grads=True,
+        )
+
+    step()  # compile and self-check first
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    assert sum("stats_kernel" in n for n in names) == 1, names
+    assert sum("scale_kernel" in n for n in names) == 1, names
