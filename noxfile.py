@@ -142,6 +142,18 @@ def gpu(session: nox.Session) -> None:
     session.run("pytest", "-m", "gpu", *paths, *session.posargs)
 
 
+@nox.session(python=PYTHON, venv_params=["--system-site-packages"])
+def bench_kernels(session: nox.Session) -> None:
+    """foreach vs Triton stats kernels vs torch's recipe on one CUDA GPU: time, launches, syncs.
+
+    Uses the machine's CUDA torch (like ``gpu``); never part of CI. ``-- --interpret`` is a CPU
+    smoke run of the script through Triton's interpreter (it measures nothing).
+    """
+    session.install(str(ROOT / "packages" / "shardscale-core"))
+    session.install(str(ROOT / "packages" / "shardscale-triton"))
+    session.run("python", str(ROOT / "benchmarks" / "triton_kernels.py"), *session.posargs)
+
+
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
