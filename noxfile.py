@@ -30,8 +30,15 @@ DISTS = [
     "shardscale-collectives",
     "shardscale-clip",
     "shardscale-fsdp",
+    "shardscale-triton",
     "shardscale",
+    "shardscale-lightning",
+    "shardscale-accelerate",
 ]
+# The trainer integrations and the framework releases their tests run (each dist declares a
+# range around its pin). About 16-31 s to install both into a venv that has torch.
+FRAMEWORK_DISTS = ["shardscale-lightning", "shardscale-accelerate"]
+FRAMEWORKS = ["lightning==2.6.6", "accelerate==1.15.0"]
 # numpy: torch's own test-side tools (CommDebugMode, all_gather_object, DCP) import it.
 # hatchling: test_plugin_isolation builds the misbehaving plugin distributions offline
 # (pip --no-build-isolation) and installs them into a throwaway folder.
@@ -48,21 +55,31 @@ def _install_torch(session: nox.Session, version: str) -> None:
     session.install(f"torch=={version}")
 
 
-def _package_dirs() -> list[str]:
-    return [str(ROOT / "packages" / d) for d in DISTS]
+def _package_dirs(*, frameworks: bool = True) -> list[str]:
+    """Every distribution's directory; without the trainer integrations when ``frameworks`` is False."""
+    return [str(ROOT / "packages" / d) for d in DISTS if frameworks or d not in FRAMEWORK_DISTS]
 
 
 def _run_tests(session: nox.Session, torch_version: str) -> None:
     _install_torch(session, torch_version)
     session.install(*TEST_DEPS)
-    session.install(*_package_dirs(), *(str(p) for p in TEST_PLUGINS))
+    # torch pinned in the same command: lightning/accelerate must not pull another torch.
+    session.install(
+        f"torch=={torch_version}",
+        *_package_dirs(),
+        *(str(p) for p in TEST_PLUGINS),
+        *FRAMEWORKS,
+    )
     # shardscale's "ui" extra: the demo tests check the plot (the isolated session runs without it).
     session.install("rich>=13", "matplotlib>=3.7")
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")
     paths = [str(ROOT / "packages" / d / "tests") for d in DISTS] + [
         str(ROOT / "integration_tests")
     ]
-    session.run("pytest", *paths, *session.posargs)
+    # Triton's interpreter for shardscale-triton's CPU tests: it must be on before anything
+    # imports triton, and it changes nothing else (the kernels claim the CPU only where a test
+    # also sets SHARDSCALE_TRITON_INTERPRET=1).
+    session.run("pytest", *paths, *session.posargs, env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session(python=PYTHON)
@@ -85,12 +102,15 @@ def bench(session: nox.Session) -> None:
     World size 2, gloo on CPU: torch's recipe, torch again (A/A), unscale_and_clip_ and
     unscale_and_clip_ with streaming statistics, interleaved in a balanced order on 1-D and 2-D
     meshes, then the scaling table. Prints the tables; writes .nox/bench/bench.{json,md,png}.
+    With ``-- --device cuda`` the step uses shardscale-triton's kernels where they are usable
+    (run again with SHARDSCALE_DISABLE_PLUGINS=shardscale-triton for ``foreach``; GPU speed of
+    the Triton kernels has not been measured yet).
     Extra arguments go to ``shardscale bench``, e.g. ``nox -s bench -- --quick`` or
     ``-- --from-json a.json b.json c.json --markdown`` (tables and ranges of earlier runs).
     """
     _install_torch(session, os.environ.get("SHARDSCALE_TORCH", DEFAULT_TORCH))
     # The shardscale distribution carries the benchmark; its ui extra draws the chart.
-    others = [d for d in _package_dirs() if not d.endswith(f"{os.sep}shardscale")]
+    others = [d for d in _package_dirs(frameworks=False) if not d.endswith(f"{os.sep}shardscale")]
     session.install(*others, str(ROOT / "packages" / "shardscale") + "[ui]")
     args = list(session.posargs)
     if not any(a == "--out" or a.startswith("--out=") for a in args):
@@ -104,7 +124,7 @@ def stress(session: nox.Session) -> None:
     random scaler call sequences (the tests session runs short versions of both)."""
     _install_torch(session, os.environ.get("SHARDSCALE_TORCH", DEFAULT_TORCH))
     session.install(*TEST_DEPS)
-    session.install(*_package_dirs())
+    session.install(*_package_dirs(frameworks=False))
     env = {
         "SHARDSCALE_FUZZ_STEPS": os.environ.get("SHARDSCALE_FUZZ_STEPS", "400"),
         "SHARDSCALE_HYPOTHESIS_EXAMPLES": os.environ.get("SHARDSCALE_HYPOTHESIS_EXAMPLES", "3000"),
@@ -122,19 +142,31 @@ def stress(session: nox.Session) -> None:
 def gpu(session: nox.Session) -> None:
     """CUDA/NCCL tests (world size 1) on a machine with a GPU, using that machine's CUDA torch.
 
-    Never part of CI: without CUDA every test it selects skips.
+    Never part of CI: without CUDA every test it selects skips. shardscale-triton's kernel
+    tests run here compiled on CUDA tensors (TRITON_INTERPRET must be unset).
     """
     session.install(*TEST_DEPS)
-    session.install(*_package_dirs())
+    session.install(*_package_dirs(frameworks=False))
     session.run(
         "python",
         "-c",
         "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())",
     )
-    paths = [str(ROOT / "packages" / d / "tests") for d in DISTS] + [
-        str(ROOT / "integration_tests")
-    ]
+    paths = [str(ROOT / "packages" / d / "tests") for d in DISTS if d not in FRAMEWORK_DISTS]
+    paths.append(str(ROOT / "integration_tests"))
     session.run("pytest", "-m", "gpu", *paths, *session.posargs)
+
+
+@nox.session(python=PYTHON, venv_params=["--system-site-packages"])
+def bench_kernels(session: nox.Session) -> None:
+    """foreach vs Triton stats kernels vs torch's recipe on one CUDA GPU: time, launches, syncs.
+
+    Uses the machine's CUDA torch (like ``gpu``); never part of CI. ``-- --interpret`` is a CPU
+    smoke run of the script through Triton's interpreter (it measures nothing).
+    """
+    session.install(str(ROOT / "packages" / "shardscale-core"))
+    session.install(str(ROOT / "packages" / "shardscale-triton"))
+    session.run("python", str(ROOT / "benchmarks" / "triton_kernels.py"), *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -150,6 +182,7 @@ def typecheck(session: nox.Session) -> None:
     """mypy --strict over every package's sources."""
     _install_torch(session, DEFAULT_TORCH)
     session.install("mypy>=1.10", "pluggy>=1.3", "rich", "matplotlib")
+    session.install(f"torch=={DEFAULT_TORCH}", *FRAMEWORKS)  # the integrations' base classes
     session.run("mypy", *(str(ROOT / "packages" / d / "src") for d in DISTS))
 
 
@@ -158,7 +191,7 @@ def docs(session: nox.Session) -> None:
     """Build the docs site (Sphinx + MyST, API from docstrings) into docs/_build/html; warnings fail."""
     _install_torch(session, DEFAULT_TORCH)
     session.install("sphinx>=8,<10", "myst-parser>=4")
-    session.install(*_package_dirs())
+    session.install(f"torch=={DEFAULT_TORCH}", *_package_dirs(), *FRAMEWORKS)
     out = ROOT / "docs" / "_build" / "html"
     args = ["-W", "--keep-going", "-b", "html", str(ROOT / "docs"), str(out)]
     session.run("sphinx-build", *args, *session.posargs)
@@ -189,6 +222,7 @@ def isolated(session: nox.Session, dist: str) -> None:
     _build_wheels(session)
     _install_torch(session, DEFAULT_TORCH)
     session.install(*TEST_DEPS)
-    session.install("--find-links", str(WHEELHOUSE), dist)
+    # torch pinned in the same command: a framework dependency must not pull another torch.
+    session.install(f"torch=={DEFAULT_TORCH}", "--find-links", str(WHEELHOUSE), dist)
     session.run("python", "-m", "pip", "list", silent=False)
     session.run("pytest", str(ROOT / "packages" / dist / "tests"), *session.posargs)

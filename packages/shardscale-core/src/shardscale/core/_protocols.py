@@ -131,10 +131,14 @@ class AdapterContext:
     call's process group; ``None`` for the default group or no distributed).
     ``distinct_dims`` names mesh dimensions whose coordinates hold *different*
     parameters (pipeline stages): adapters never treat them as replicas.
+    ``distinct_params`` holds the ``id()`` of plain-tensor parameters that
+    this rank holds its own of (experts placed on this rank): they count on
+    every rank that has them.
     """
 
     group: ProcessGroup | None = None
     distinct_dims: frozenset[str] = frozenset()
+    distinct_params: frozenset[int] = frozenset()
     rank: int = 0
     world_size: int = 1
 
@@ -181,7 +185,12 @@ class StatsKernels(Protocol):
         tensor. A non-finite element must make that tensor's entry non-finite
         (nan for nan), which is how the overflow check rides on the same read.
         The step engine keeps powers from overflowing (it normalises for
-        p other than 1, 2 and inf), so kernels compute plainly.
+        p other than 1, 2 and inf, and for float64 p = 2: a max read, a
+        division and a second read), so kernels compute plainly. Kernels that
+        already keep every power from overflowing in their one read may set
+        the optional class attribute ``overflow_safe_norms = True`` (read with
+        ``getattr``; absent means False): the engine then calls this once for
+        every p and dtype.
         """
         ...
 

@@ -61,6 +61,8 @@ never stepping on a wrong norm. For every other p, |g|^p overflows for
 ordinary values (p = 8 at scale 2^16 already does), so each tensor is first
 divided by its own max|g|: n_t = a_t·‖g_t/a_t‖_p, exact for any p at the
 cost of a second read of those gradients. p = inf is max|g|.
+Kernels that set ``overflow_safe_norms = True`` (the Triton kernels, which
+normalise per block inside their one read) are called once instead.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ __all__ = [
     "StepConfig",
     "StepError",
     "StepResult",
+    "distinct_param_ids",
     "poll_errors",
     "read_tensor_norm",
     "run_step",
@@ -146,7 +149,9 @@ class StepConfig:
     the adapters and kernels (``kernels`` names one, ``None`` picks the best
     per device); ``distinct_dims`` names mesh dims whose coordinates hold
     different parameters (pipeline stages, expert groups; ``"*"``: every rank
-    holds its own plain tensors).
+    holds its own plain tensors); ``distinct_params`` the ``id()`` of plain
+    tensors this rank holds its own of while the other plain tensors are
+    replicated (experts placed on this rank; see :func:`distinct_param_ids`).
     """
 
     backend: CollectiveBackend
@@ -154,6 +159,7 @@ class StepConfig:
     group: ProcessGroup | None = None
     kernels: str | None = None
     distinct_dims: frozenset[str] = frozenset()
+    distinct_params: frozenset[int] = frozenset()
     #: Check, beside the chain, that every rank uses the same backend chain before this step
     #: (a scaler asks once, on its first step: every rank's scaler reaches it together).
     verify_chain: bool = False
@@ -163,6 +169,7 @@ class StepConfig:
         return AdapterContext(
             group=self.group,
             distinct_dims=self.distinct_dims,
+            distinct_params=self.distinct_params,
             rank=self.backend.rank(self.group),
             world_size=self.backend.world_size(self.group),
         )
@@ -314,6 +321,10 @@ def read_tensor_norm(tensor: torch.Tensor, norm_type: float, config: StepConfig)
 
 def _tensor_norms(kernels: Any, tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
     """Per-tensor p-norms, 1-D, overflow-safe (see [Note: per-tensor norms without overflow])."""
+    if getattr(kernels, "overflow_safe_norms", False) is True:
+        # The kernels normalise inside their one read (StatsKernels' optional attribute).
+        safe: torch.Tensor = kernels.tensor_norms(tensors, p)
+        return safe
     if p in (1.0, 2.0) or math.isinf(p):
         if any(t.dtype is torch.float64 for t in tensors) and p == 2.0:
             return _normalised_norms(kernels, tensors, p)
@@ -438,6 +449,7 @@ def _collect(
         )
         _check_devices(buckets, scale, expect_device)
         _check_distinct_dims(buckets, config.distinct_dims)
+        _check_distinct_params(buckets, config.distinct_params)
     except Exception as exc:
         return _Local(buckets=GradBuckets(), error=exc, code=_error_code(exc))
     return _Local(buckets=buckets)
@@ -502,6 +514,43 @@ def _check_distinct_dims(buckets: GradBuckets, distinct: frozenset[str]) -> None
             "(init_device_mesh(..., mesh_dim_names=...)) and pass those names, or '*' for "
             "plain tensors held differently on every rank"
         )
+
+
+def distinct_param_ids(
+    params: Iterable[torch.Tensor], *, name: str = "distinct_params"
+) -> frozenset[int]:
+    """The ``id()`` of each tensor of ``params``, for ``StepConfig.distinct_params``.
+
+    Raises ``TypeError`` (before any collective: arguments are checked where
+    they are given) for a single tensor, a string or a non-tensor element.
+    """
+    if isinstance(params, (torch.Tensor, str, bytes)) or not isinstance(params, Iterable):
+        raise TypeError(
+            f"{name} takes an iterable of parameters (e.g. list(experts.parameters())), got "
+            f"{type(params).__name__}; wrap a single parameter in a list"
+        )
+    ids = []
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(
+                f"{name} takes parameters (tensors), got a {type(p).__name__}; pass "
+                "list(module.parameters()) of the modules this rank holds its own copy of"
+            )
+        ids.append(id(p))
+    return frozenset(ids)
+
+
+def _check_distinct_params(buckets: GradBuckets, distinct: frozenset[int]) -> None:
+    if not distinct:
+        return
+    for param in buckets.params():
+        if id(param) in distinct and type(param) not in (torch.Tensor, torch.nn.Parameter):
+            raise ValueError(
+                f"distinct_params holds a {type(param).__name__} parameter of shape "
+                f"{tuple(param.shape)}; it is for plain tensors only. A DTensor already says "
+                "which ranks hold which part through its mesh: put the mesh dim whose "
+                "coordinates hold different parameters in distinct_dims instead"
+            )
 
 
 # -- read ----------------------------------------------------------------------------------------
