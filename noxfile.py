@@ -40,8 +40,11 @@ DISTS = [
 FRAMEWORK_DISTS = ["shardscale-lightning", "shardscale-accelerate"]
 FRAMEWORKS = ["lightning==2.6.6", "accelerate==1.15.0"]
 # numpy: torch's own test-side tools (CommDebugMode, all_gather_object, DCP) import it.
-TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "numpy"]
-# Third-party-style plugin distributions that only the tests install.
+# hatchling: test_plugin_isolation builds the misbehaving plugin distributions offline
+# (pip --no-build-isolation) and installs them into a throwaway folder.
+TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "numpy", "hatchling>=1.21"]
+# Third-party-style plugin distributions that only the tests install. (plugins/misbehaving/*
+# are one level deeper on purpose: test_plugin_isolation installs them into a folder of its own.)
 TEST_PLUGINS = sorted(
     p.parent for p in (ROOT / "integration_tests" / "plugins").glob("*/pyproject.toml")
 )

@@ -16,6 +16,7 @@ from shardscale.core import (
     LocalBackend,
     PluginConflictError,
     PluginNotFoundError,
+    PluginWarning,
     ReduceOp,
     Registry,
     ShardscaleError,
@@ -103,7 +104,9 @@ def test_builtins_are_listed_with_kind_distribution_and_version(registry: Regist
 def test_disable_env_blocks_a_plugin_before_import(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DISABLE_ENV, " core ,something-else")
     registry = Registry()
-    assert "local" not in registry.names("backend")
+    with pytest.warns(PluginWarning, match=r"'something-else', which match no installed"):
+        assert "local" not in registry.names("backend")
+    assert registry.unmatched_disable_names() == ["something-else"]
     blocked = {f.name: f for f in registry.failures()}
     assert blocked["core"].blocked and blocked["core"].distribution == "shardscale-core"
 
@@ -198,18 +201,22 @@ def test_registering_the_same_name_twice_is_refused(registry: Registry) -> None:
         registry.unregister(name)
 
 
-def test_items_without_a_name_are_rejected(registry: Registry) -> None:
+def test_an_in_process_plugin_with_a_nameless_item_is_refused(registry: Registry) -> None:
     class Nameless:
         @hookimpl
         def shardscale_collective_backends(self) -> list[object]:
             return [object()]
 
-    name = registry.register(Nameless(), name="nameless")
-    try:
-        with pytest.raises(ShardscaleError, match="without a string 'name'"):
-            registry.names("backend")
-    finally:
-        registry.unregister(name)
+    before = [p.name for p in registry.plugins()]
+    with pytest.raises(
+        ShardscaleError,
+        match=r"plugin 'nameless' returned a backend without a string 'name'.*not registered",
+    ):
+        registry.register(Nameless(), name="nameless")
+    # Refused means unchanged: not registered, nothing recorded, lookups work.
+    assert [p.name for p in registry.plugins()] == before
+    assert not [f for f in registry.failures() if f.name == "nameless"]
+    assert "local" in registry.names("backend")
 
 
 def test_adapter_and_kernel_lookup(registry: Registry) -> None:

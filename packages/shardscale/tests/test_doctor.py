@@ -82,3 +82,21 @@ def test_connect_without_torchrun_is_a_warning_not_a_hang() -> None:
     findings = run_checks(connect=True)
     pg = next(f for f in findings if f.check == "process group")
     assert pg.status == "warn" and "torchrun" in pg.fix
+
+
+def test_the_backend_from_the_environment_is_built_and_checked(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("SHARDSCALE_BACKEND", "bogus")
+    assert main(["doctor", "--json"]) == 1
+    bad = next(f for f in _findings(capsys.readouterr().out) if f["check"] == "backend")
+    assert bad["status"] == "error" and "'bogus' from $SHARDSCALE_BACKEND" in bad["detail"]
+    assert "local" in bad["detail"] and bad["fix"]
+
+
+def test_a_healthy_machine_really_steps_a_scaler(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("SHARDSCALE_BACKEND", raising=False)
+    assert main(["doctor", "--json"]) == 0
+    findings = {f["check"]: f for f in _findings(capsys.readouterr().out)}
+    assert findings["scaler step"]["status"] == "ok"
+    assert "local" in findings["backend"]["detail"]
+    assert findings["adapters"]["detail"].rstrip(")").endswith("shardscale-core")  # plain is last
+    assert findings["kernels (cpu)"]["status"] == "ok"

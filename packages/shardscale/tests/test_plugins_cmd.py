@@ -48,6 +48,11 @@ def test_blocked_plugin_is_reported_not_listed(run_cli) -> None:
     assert not any(it["distribution"] == "shardscale-core" for it in data["items"])
     blocked = [f for f in data["failures"] if f["name"] == "core"]
     assert blocked and blocked[0]["blocked"] is True
+    # What the block leaves is said, kind by kind: core's local, plain and foreach are gone.
+    assert data["disable"]["blocked"] == ["core"]
+    remaining = data["disable"]["remaining"]
+    assert "local" not in remaining["backend"] and "plain" not in remaining["adapter"]
+    assert "foreach" not in remaining["kernels"]
 
 
 def test_plugin_that_fails_to_import_makes_exit_status_1(run_cli, tmp_path: Path) -> None:

@@ -164,6 +164,9 @@ class C10dBackend:
     """
 
     name: ClassVar[str] = "c10d"
+    #: Chosen when no backend is named and a process group is initialized (the registry
+    #: picks the usable backend with the highest value; core names no backend of ours).
+    automatic_priority: ClassVar[int | None] = 0
 
     def all_reduce(
         self, tensor: torch.Tensor, *, op: ReduceOp, group: ProcessGroup | None

@@ -39,6 +39,8 @@ def group_backend_for(group: ProcessGroup | None, device_type: str) -> str:
 class _CheckedC10dBackend(C10dBackend):
     #: The torch.distributed backend the group must use.
     library: ClassVar[str]
+    #: Only ever chosen by name: the automatic choice is plain ``c10d``.
+    automatic_priority: ClassVar[int | None] = None
 
     def all_reduce(
         self, tensor: torch.Tensor, *, op: ReduceOp, group: ProcessGroup | None

@@ -19,6 +19,7 @@ from shardscale.core._errors import (
     LayoutError,
     PluginConflictError,
     PluginNotFoundError,
+    PluginWarning,
     ShardscaleError,
 )
 from shardscale.core._foreach_kernels import ForeachKernels
@@ -125,4 +126,5 @@ __all__ = [
     "BackendUnavailableError",
     "LayoutError",
     "ScalerStateError",
+    "PluginWarning",
 ]

@@ -12,6 +12,7 @@ __all__ = [
     "PluginConflictError",
     "BackendUnavailableError",
     "LayoutError",
+    "PluginWarning",
 ]
 
 
@@ -36,3 +37,11 @@ class BackendUnavailableError(ShardscaleError):
 
 class LayoutError(ShardscaleError, ValueError):
     """Gradients are laid out in a way no adapter can combine into one global value."""
+
+
+class PluginWarning(UserWarning):
+    """A plugin failed (and was set aside) or ``SHARDSCALE_DISABLE_PLUGINS`` matched nothing.
+
+    Training goes on without the failed plugin; ``shardscale plugins`` and
+    ``shardscale doctor`` list every such failure with its fix.
+    """

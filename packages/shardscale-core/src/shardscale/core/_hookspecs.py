@@ -3,7 +3,10 @@
 A plugin is any module or object with functions marked by :data:`hookimpl`.
 Installed distributions expose one plugin module each in the ``shardscale``
 entry-point group; tests and users may also register objects in-process with
-:meth:`shardscale.core.Registry.register`.
+:meth:`shardscale.core.Registry.register`. Each hook that returns items returns
+a list (or tuple); the registry calls every plugin's implementation on its own,
+and one that raises or returns anything else is recorded as a failure of that
+plugin, never of the registry (see ``_registry``).
 """
 
 from __future__ import annotations
@@ -33,11 +36,14 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @_hookspec
 def shardscale_collective_backends() -> Sequence[type[CollectiveBackend]]:  # type: ignore[empty-body]
-    """Return backend classes, each with a unique class attribute ``name``.
+    """Return a list of backend classes, each with a unique class attribute ``name``.
 
     A class is instantiated with no arguments when a user selects it, and may
     define a classmethod ``unavailable_reason() -> str | None`` saying why it
-    cannot run on this machine (``None``: it can).
+    cannot run on this machine (``None``: it can). A class attribute
+    ``automatic_priority: int`` offers it for the automatic choice when a
+    process group is initialized and no backend is named (the highest wins;
+    equal highest values are an error).
     """
 
 

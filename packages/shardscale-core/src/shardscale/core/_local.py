@@ -37,14 +37,12 @@ class LocalBackend:
             raise BackendUnavailableError(
                 f"the 'local' backend was chosen (backend='local' or $SHARDSCALE_BACKEND) in a "
                 f"run of {dist.get_world_size()} ranks: it reduces nothing, so ranks would "
-                "decide differently and diverge. Use 'c10d' (pip install "
-                "shardscale-collectives), or leave the backend unset."
+                f"decide differently and diverge. {_multi_rank_hint()}"
             )
         if self.world_size(group) != 1:
             raise BackendUnavailableError(
                 "the 'local' backend cannot reduce over a process group of "
-                f"{self.world_size(group)} ranks: ranks would disagree. Use 'c10d' "
-                "(pip install shardscale-collectives) or leave the backend unset."
+                f"{self.world_size(group)} ranks: ranks would disagree. {_multi_rank_hint()}"
             )
         return CompletedHandle()
 
@@ -70,3 +68,18 @@ class LocalBackend:
     def unavailable_reason(cls) -> str | None:
         """The local backend runs everywhere."""
         return None
+
+
+def _multi_rank_hint() -> str:
+    """How to get a backend that reduces across ranks, from what is installed (core names none)."""
+    from shardscale.core._errors import ShardscaleError
+    from shardscale.core._registry import get_registry
+
+    try:
+        choice = get_registry()._automatic_backend(True).rpartition(":")[2]
+    except ShardscaleError:
+        return (
+            "Install a plugin with a backend that reduces across ranks ('shardscale plugins' "
+            "lists what is installed) and leave the backend unset, or name that backend."
+        )
+    return f"Leave the backend unset (the automatic choice across ranks is {choice!r}) or name one."

@@ -5,18 +5,47 @@ Plugins come from exactly two places: installed distributions that list a
 module in the ``shardscale`` entry-point group, and objects registered
 in-process with :meth:`Registry.register`. Nothing is ever imported from a path
 or a module name taken from the environment. Entry points load lazily, on the
-first lookup, once per process. Names in ``SHARDSCALE_DISABLE_PLUGINS`` (entry
-point or distribution names, comma separated) are blocked *before* import. A
-plugin that fails to import is recorded with its distribution and error and the
-others still load. The built-in plugin of ``shardscale-core`` arrives through
-the same entry-point path as everybody else's.
+first lookup, once per process (see ``_plugin_loading`` for blocking with
+``SHARDSCALE_DISABLE_PLUGINS`` and for isolation at import). The built-in
+plugin of ``shardscale-core`` arrives through the same entry-point path as
+everybody else's.
+
+[Note: one bad plugin cannot break the house]
+Every failure of a plugin becomes a :class:`LoadFailure` naming the plugin, its
+distribution and version, and the fix, and the rest of the registry keeps
+working: an import that raises anything but ``KeyboardInterrupt``; a hook that
+raises or returns something other than a list; an item without a string name,
+with a non-int priority or missing methods; an adapter's ``claims()`` or a
+kernels' ``supports()`` that raises during a step; an observer that raises. The
+last three are *set aside*: recorded once, warned about once
+(:class:`PluginWarning`), and not consulted again in this process, so a plugin
+that breaks at step 1000 behaves from then on as if it were not installed.
+In-process registration is stricter: :meth:`Registry.register` calls the new
+plugin's hooks at once and refuses it, changing nothing, if any fails.
+
+[Note: equal priorities]
+Adapters and kernels are ranked by ``priority`` (higher first). Equal
+priorities are never settled by install or discovery order: when two adapters
+of equal priority both claim a parameter, or two kernels of equal priority
+both support a device (and no ``kernels=`` name was given), the lookup raises
+:class:`PluginConflictError` naming both. Where their claims do not overlap,
+equal priorities are harmless and nothing is raised. In a step the error is
+carried by the step's one collective, so every rank raises together.
+
+[Note: the automatic backend]
+With no backend named (no argument, no ``$SHARDSCALE_BACKEND``), a process
+without an initialized process group gets core's own ``local``. With one, the
+registry picks the usable backend class that declares the highest
+``automatic_priority`` class attribute; core names no other distribution's
+backend. No candidate, or two with the same highest value, is an error that
+says what to set.
 """
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,7 +57,18 @@ from shardscale.core._errors import (
     BackendUnavailableError,
     PluginConflictError,
     PluginNotFoundError,
+    PluginWarning,
     ShardscaleError,
+)
+from shardscale.core._plugin_items import call_item_hook
+from shardscale.core._plugin_loading import (
+    CORE_PLUGIN,
+    DISABLE_ENV,
+    LoadFailure,
+    canonical_name,
+    describe_exception,
+    failure_fix,
+    load_plugins,
 )
 
 if TYPE_CHECKING:
@@ -53,11 +93,10 @@ __all__ = [
     "reset_registry",
 ]
 
-DISABLE_ENV = "SHARDSCALE_DISABLE_PLUGINS"
 BACKEND_ENV = "SHARDSCALE_BACKEND"
 #: The "distribution" reported for plugins registered in-process.
 IN_PROCESS = "<in-process>"
-_CORE_PLUGIN = "shardscale.core._plugin"
+_ITEM_KINDS = ("backend", "middleware", "adapter", "kernels")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +111,11 @@ class PluginInfo:
 
 @dataclass(frozen=True, slots=True)
 class ItemInfo:
-    """One named thing a plugin provides: a backend, middleware, adapter or kernels."""
+    """One named thing a plugin provides: a backend, middleware, adapter or kernels.
+
+    ``priority`` is the rank of an adapter or kernels (``None`` for backends and
+    middleware); ``reason`` says why an unusable item cannot run here.
+    """
 
     name: str
     kind: str
@@ -81,17 +124,7 @@ class ItemInfo:
     version: str
     usable: bool
     reason: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class LoadFailure:
-    """A plugin that could not be imported, or was blocked by the user."""
-
-    name: str
-    distribution: str
-    version: str
-    error: str
-    blocked: bool = False
+    priority: int | None = None
 
 
 @dataclass(slots=True)
@@ -101,17 +134,20 @@ class _Item:
     obj: Any
     plugin: str
 
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.plugin, self.kind, self.name)
+
 
 @dataclass(slots=True)
 class _Catalog:
     by_kind: dict[str, list[_Item]] = field(default_factory=dict)
-    # Adapters are consulted once per parameter per step: sort them once per catalog.
-    adapters_by_priority: list[GradAdapter] | None = None
-
-
-def _blocked_names() -> frozenset[str]:
-    raw = os.environ.get(DISABLE_ENV, "")
-    return frozenset(n.strip() for n in raw.split(",") if n.strip())
+    failures: list[LoadFailure] = field(default_factory=list)
+    # Adapters are consulted once per parameter per step: rank them once per catalog.
+    adapters_ranked: list[_Item] | None = None
+    # id(adapter item) -> the other adapters of the same priority (empty almost always).
+    adapter_rivals: dict[int, list[_Item]] = field(default_factory=dict)
+    kernels_by_device: dict[str, Any] = field(default_factory=dict)
 
 
 def _unavailable_reason(obj: Any) -> str | None:
@@ -120,8 +156,10 @@ def _unavailable_reason(obj: Any) -> str | None:
         return None
     try:
         reason = probe()
-    except Exception as exc:  # a broken probe must not break listing
-        return f"availability check failed: {exc!r}"
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # a broken probe must not break listing
+        return f"availability check failed: {describe_exception(exc)}"
     return None if reason is None else str(reason)
 
 
@@ -129,88 +167,59 @@ class Registry:
     """shardscale's plugin manager, with a typed lookup per kind of plugin."""
 
     def __init__(self, *, load_entry_points: bool = True) -> None:
-        self._pm = pluggy.PluginManager(_hookspecs.PROJECT)
-        self._pm.add_hookspecs(_hookspecs)
         self._load_entry_points = load_entry_points
-        self._loaded = False
         self._lock = threading.RLock()
+        self._pm = self._new_manager()
+        self._loaded = False
         self._origins: dict[str, tuple[str, str]] = {}
         self._failures: list[LoadFailure] = []
+        self._unmatched: tuple[str, ...] = ()
+        # Items and observers set aside during steps: (plugin, kind, name) -> their failure.
+        self._set_aside: dict[tuple[str, str, str], LoadFailure] = {}
         self._catalog: _Catalog | None = None
+
+    @staticmethod
+    def _new_manager() -> pluggy.PluginManager:
+        pm = pluggy.PluginManager(_hookspecs.PROJECT)
+        pm.add_hookspecs(_hookspecs)
+        return pm
 
     # -- loading -------------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Load installed plugins (once). Lookups call this for you."""
+        """Load installed plugins (once). Lookups call this for you.
+
+        Loading builds a new plugin manager and swaps it in only when every
+        plugin has been tried, so the registry is never seen half-loaded; a
+        ``KeyboardInterrupt`` during loading leaves it unloaded.
+        """
         with self._lock:
             if self._loaded:
                 return
+            pm = self._new_manager()
+            result = load_plugins(pm, entry_points=self._load_entry_points)
+            self._pm, self._origins = pm, result.origins
+            self._failures, self._unmatched = result.failures, result.unmatched
+            self._catalog = None
             self._loaded = True
-            if self._load_entry_points:
-                try:
-                    self._load_from_entry_points()
-                except PluginConflictError:
-                    # Nothing was registered: the next lookup raises the same error again.
-                    self._loaded = False
-                    self._failures.clear()
-                    raise
-            # Running from a source tree without shardscale-core's metadata: the
-            # built-in plugin still registers through the same hook path.
-            if "core" not in self._origins and "core" not in _blocked_names():
-                import importlib
-
-                self._register(
-                    importlib.import_module(_CORE_PLUGIN),
-                    "core",
-                    "shardscale-core",
-                    _dist_version("shardscale-core"),
-                )
-
-    def _load_from_entry_points(self) -> None:
-        blocked = _blocked_names()
-        chosen: dict[str, md.EntryPoint] = {}
-        # First pass: blocked names and conflicts, before anything is imported or registered,
-        # so a conflict leaves the registry empty (and raises again on the next lookup).
-        for ep in md.entry_points(group=_hookspecs.ENTRY_POINT_GROUP):
-            dist_name, version = _ep_origin(ep)
-            if ep.name in blocked or dist_name in blocked:
-                failure = LoadFailure(
-                    ep.name, dist_name, version, f"blocked by {DISABLE_ENV}", True
-                )
-                if failure not in self._failures:  # the same distribution twice on sys.path
-                    self._failures.append(failure)
-                continue
-            previous = chosen.get(ep.name)
-            if previous is not None:
-                if previous.value == ep.value and _ep_origin(previous)[0] == dist_name:
-                    continue  # the same distribution seen twice on sys.path
-                raise PluginConflictError(
-                    f"two installed distributions register the shardscale plugin {ep.name!r}: "
-                    f"{_ep_origin(previous)[0]} ({previous.value}) and {dist_name} ({ep.value}). "
-                    f"Uninstall one of them, or block one by its distribution name, e.g. "
-                    f"{DISABLE_ENV}={dist_name}."
-                )
-            chosen[ep.name] = ep
-        for ep in chosen.values():
-            dist_name, version = _ep_origin(ep)
-            try:
-                plugin = ep.load()
-            except Exception as exc:  # report it, keep loading the others
-                self._failures.append(
-                    LoadFailure(ep.name, dist_name, version, f"{type(exc).__name__}: {exc}")
-                )
-                continue
-            self._register(plugin, ep.name, dist_name, version)
-
-    def _register(self, plugin: object, name: str, dist: str, version: str) -> None:
-        self._pm.register(plugin, name=name)
-        self._origins[name] = (dist, version)
-        self._catalog = None
+        for failure in result.failures:
+            if not failure.blocked:
+                _warn(failure)
+        if result.unmatched:
+            warnings.warn(
+                f"{DISABLE_ENV} names {', '.join(repr(n) for n in result.unmatched)}, which "
+                "match no installed shardscale plugin, so they block nothing. Entry-point and "
+                f"distribution names installed: {', '.join(result.known_names)}.",
+                PluginWarning,
+                stacklevel=3,
+            )
 
     def register(self, plugin: object, *, name: str | None = None) -> str:
         """Register a plugin object in-process (tests, notebooks). Returns its name.
 
-        Unregister it with :meth:`unregister`, typically in a ``finally`` block.
+        Its hooks are called at once; if one fails the plugin is refused with a
+        :class:`ShardscaleError` and the registry is left as it was. Unregister
+        it with :meth:`unregister`, typically in a ``finally`` block.
         """
         self.load()
         with self._lock:
@@ -220,7 +229,23 @@ class Registry:
                     f"a plugin named {plugin_name!r} is already registered (from "
                     f"{self._origins[plugin_name][0]}); pass another name=..."
                 )
-            self._register(plugin, plugin_name, IN_PROCESS, "")
+            try:
+                self._pm.register(plugin, name=plugin_name)
+            except Exception as exc:  # pluggy: the same object twice, or a bad hook signature
+                raise ShardscaleError(f"cannot register {plugin_name!r}: {exc}") from exc
+            _, problems = self._collect_plugin(plugin_name)
+            if problems:
+                self._pm.unregister(plugin, name=plugin_name)
+                said = "; ".join(
+                    f"plugin {plugin_name!r} {p}" if p.startswith("returned") else p
+                    for p in problems
+                )
+                raise ShardscaleError(
+                    f"{said}. The in-process plugin {plugin_name!r} was not registered: fix it "
+                    "and register it again."
+                )
+            self._origins[plugin_name] = (IN_PROCESS, "")
+            self._catalog = None
             return plugin_name
 
     def unregister(self, plugin_or_name: object | str) -> None:
@@ -236,53 +261,113 @@ class Registry:
                 raise PluginNotFoundError(f"no registered plugin {plugin_or_name!r} to unregister")
             self._pm.unregister(plugin, name=name)
             self._origins.pop(name, None)
+            for key in [k for k in self._set_aside if k[0] == name]:
+                del self._set_aside[key]
             self._catalog = None
 
     # -- catalog -------------------------------------------------------------------------------
+
+    def _collect_plugin(self, plugin_name: str) -> tuple[list[_Item], list[str]]:
+        """Call each item hook of one plugin on its own: (well-formed items, problems)."""
+        items: list[_Item] = []
+        problems: list[str] = []
+        for hook_name, kind in _hookspecs.HOOK_KINDS.items():
+            for impl in getattr(self._pm.hook, hook_name).get_hookimpls():
+                if impl.plugin_name != plugin_name:
+                    continue
+                if impl.hookwrapper or impl.wrapper:
+                    # Each plugin's hook is called on its own, so there is nothing to wrap.
+                    problems.append(
+                        f"{hook_name}() is a hook wrapper, which shardscale does not call; "
+                        "drop wrapper=True/hookwrapper=True and return (or observe) directly"
+                    )
+                    continue
+                if kind not in _ITEM_KINDS:
+                    continue
+                objs, bad = call_item_hook(impl.function, hook_name, kind)
+                items += [_Item(str(obj.name), kind, obj, plugin_name) for obj in objs]
+                problems += bad
+        return items, problems
 
     def _collect(self) -> _Catalog:
         self.load()
         with self._lock:
             if self._catalog is not None:
                 return self._catalog
-            catalog = _Catalog()
-            for hook_name, kind in _hookspecs.HOOK_KINDS.items():
-                if kind == "observer":
-                    continue
-                items: list[_Item] = []
-                caller = getattr(self._pm.hook, hook_name)
-                for impl in caller.get_hookimpls():
-                    for obj in impl.function() or ():
-                        name = getattr(obj, "name", None)
-                        if not isinstance(name, str) or not name:
-                            raise ShardscaleError(
-                                f"plugin {impl.plugin_name!r} returned a {kind} without a string "
-                                f"'name' attribute from {hook_name}(): {obj!r}"
-                            )
-                        items.append(_Item(name, kind, obj, impl.plugin_name))
-                catalog.by_kind[kind] = items
+            catalog = _Catalog(by_kind={kind: [] for kind in _ITEM_KINDS})
+            for plugin_name, _ in sorted(self._pm.list_name_plugin(), key=lambda np: np[0]):
+                items, problems = self._collect_plugin(plugin_name)
+                for it in items:
+                    if it.key not in self._set_aside:
+                        catalog.by_kind[it.kind].append(it)
+                dist, version = self._origin(plugin_name)
+                catalog.failures += [
+                    LoadFailure(
+                        plugin_name,
+                        dist,
+                        version,
+                        problem,
+                        fix=failure_fix(plugin_name, dist),
+                        stage="item" if problem.startswith("returned") else "hook",
+                    )
+                    for problem in problems
+                ]
             self._catalog = catalog
-            return catalog
+        for failure in catalog.failures:
+            _warn(failure)
+        return catalog
 
     def _origin(self, plugin: str) -> tuple[str, str]:
         return self._origins.get(plugin, (IN_PROCESS, ""))
 
-    def _lookup(self, kind: str, name: str) -> Any:
+    def _describe_item(self, it: _Item) -> str:
+        dist, version = self._origin(it.plugin)
+        return f"{it.kind} {it.name!r} from {dist} {version}".rstrip() + f" (plugin {it.plugin!r})"
+
+    def _set_item_aside(self, it: _Item, stage: str, exc: BaseException) -> None:
+        """Record that ``it`` failed during a step and stop consulting it (see the Note above)."""
+        dist, version = self._origin(it.plugin)
+        failure = LoadFailure(
+            it.plugin,
+            dist,
+            version,
+            f"{it.kind} {it.name!r}: {stage}() raised {describe_exception(exc)}; it is no "
+            "longer consulted in this process",
+            fix=failure_fix(it.plugin, dist),
+            stage=stage,
+        )
+        with self._lock:
+            if it.key in self._set_aside:
+                return
+            self._set_aside[it.key] = failure
+            self._catalog = None
+        _warn(failure)
+
+    def _matches(self, kind: str, name: str) -> list[_Item]:
         items = self._collect().by_kind.get(kind, [])
         qualifier, _, bare = name.rpartition(":")
-        matches = [
+        wanted = canonical_name(qualifier)
+        return [
             it
             for it in items
             if it.name == bare
-            and (not qualifier or qualifier in (it.plugin, self._origin(it.plugin)[0]))
+            and (
+                not qualifier
+                or qualifier == it.plugin
+                or wanted == canonical_name(self._origin(it.plugin)[0])
+            )
         ]
+
+    def _lookup(self, kind: str, name: str) -> Any:
+        matches = self._matches(kind, name)
+        bare = name.rpartition(":")[2]
         if not matches:
-            available = sorted({it.name for it in items})
+            available = sorted({it.name for it in self._collect().by_kind.get(kind, [])})
             raise PluginNotFoundError(
                 f"no {kind} named {name!r}: misspelled or not installed. "
                 f"Installed {kind}s: {', '.join(available) or '(none)'}."
-                + _install_hint(kind, bare)
                 + self._failures_hint()
+                + " 'shardscale plugins' lists every plugin and where it comes from."
             )
         if len(matches) > 1:
             owners = " and ".join(
@@ -290,17 +375,18 @@ class Registry:
             )
             raise PluginConflictError(
                 f"the {kind} name {bare!r} is claimed by {owners}. Pick one explicitly as "
-                f"'<distribution>:{bare}', e.g. {self._origin(matches[0].plugin)[0]}:{bare}."
+                f"'<distribution>:{bare}', e.g. {self._origin(matches[0].plugin)[0]}:{bare}, "
+                f"or block one with {DISABLE_ENV}=<distribution>."
             )
         return matches[0].obj
 
     def _failures_hint(self) -> str:
         # The name may belong to a plugin that did not load: say so rather than "not installed".
-        if not self._failures:
+        failures = self.failures()
+        if not failures:
             return ""
         parts = [
-            f"{f.name} ({f.distribution}): {'blocked' if f.blocked else f.error}"
-            for f in self._failures
+            f"{f.name} ({f.distribution}): {'blocked' if f.blocked else f.error}" for f in failures
         ]
         return " Plugins not loaded: " + "; ".join(parts) + "."
 
@@ -320,47 +406,95 @@ class Registry:
         """Names of every registered plugin item of ``kind`` (backend, middleware, adapter, kernels)."""
         return sorted({it.name for it in self._collect().by_kind.get(kind, [])})
 
-    def make_backend(self, spec: str | CollectiveBackend | None = None) -> CollectiveBackend:
+    def backend_spec(
+        self, spec: str | None = None, *, distributed: bool | None = None
+    ) -> tuple[str, str]:
+        """The backend chain :meth:`make_backend` builds for ``spec``, and where it came from.
+
+        ``None`` means ``$SHARDSCALE_BACKEND`` if set, else the automatic
+        choice (see [Note: the automatic backend]); ``distributed`` says whether
+        to choose as if a default process group were initialized (default: look).
+        Returns ``(spec, source)``, e.g. ``("collectives:c10d", "automatic choice")``.
+        """
+        if spec is not None:
+            return spec, "argument"
+        env = os.environ.get(BACKEND_ENV, "").strip()
+        if env:
+            return env, f"${BACKEND_ENV}"
+        if distributed is None:
+            distributed = _process_group_initialized()
+        return self._automatic_backend(distributed), "automatic choice"
+
+    def _automatic_backend(self, distributed: bool) -> str:
+        if not distributed:
+            return f"{CORE_PLUGIN}:local"  # core's own item
+        ranked: list[tuple[int, _Item]] = []
+        for it in self._collect().by_kind.get("backend", []):
+            priority = getattr(it.obj, "automatic_priority", None)
+            if isinstance(priority, int) and _unavailable_reason(it.obj) is None:
+                ranked.append((priority, it))
+        if not ranked:
+            raise PluginNotFoundError(
+                "a process group is initialized, but no installed backend offers itself for the "
+                "automatic choice (a backend class with an int 'automatic_priority'). Installed "
+                f"backends: {', '.join(self.names('backend')) or '(none)'}. Name one with "
+                f"backend=... or ${BACKEND_ENV}, or install a distribution that provides a "
+                "torch.distributed backend." + self._failures_hint()
+            )
+        best = max(p for p, _ in ranked)
+        tied = [it for p, it in ranked if p == best]
+        if len(tied) > 1:
+            raise PluginConflictError(
+                f"{' and '.join(self._describe_item(it) for it in tied)} both declare "
+                f"automatic_priority {best}, so neither is the automatic choice. Name one with "
+                f"backend='<plugin>:<name>' or ${BACKEND_ENV}, or block one with {DISABLE_ENV}."
+            )
+        return f"{tied[0].plugin}:{tied[0].name}"
+
+    def make_backend(
+        self, spec: str | CollectiveBackend | None = None, *, source: str | None = None
+    ) -> CollectiveBackend:
         """Build a backend from a spec such as ``"counting+coalescing+c10d"``.
 
-        ``None`` means: ``$SHARDSCALE_BACKEND`` if set, else ``c10d`` when a
-        process group is initialized, else ``local``. A backend object is
-        returned as it is.
+        ``None`` means: ``$SHARDSCALE_BACKEND`` if set, else the automatic
+        choice: ``local`` without a process group, else the installed backend
+        with the highest ``automatic_priority`` (``c10d`` with
+        shardscale-collectives). A backend object is returned as it is.
+        ``source`` names where a spec string came from in error messages
+        (default: "argument"), e.g. for a spec :meth:`backend_spec` returned.
         """
         if spec is not None and not isinstance(spec, str):
             from shardscale.core._protocols import CollectiveBackend
 
             if not isinstance(spec, CollectiveBackend):
                 raise TypeError(
-                    f"backend must be a spec string such as 'c10d' or 'counting+c10d', or an "
+                    f"backend must be a spec string such as 'local' or '<middleware>+<backend>', or an "
                     f"object implementing CollectiveBackend (name, all_reduce, world_size, rank, "
                     f"group_ranks); got {type(spec).__name__} {spec!r}"
                 )
             return spec
-        source = "argument"
-        if spec is None:
-            env = os.environ.get(BACKEND_ENV, "").strip()
-            if env:
-                spec, source = env, f"${BACKEND_ENV}"
-            else:
-                spec, source = _automatic_backend(), "automatic choice"
+        spec, found_in = self.backend_spec(spec)
+        source = source or found_in
         parts = [p.strip() for p in spec.split("+")]
         if not spec.strip() or any(not p for p in parts):
             raise ShardscaleError(
                 f"backend spec {spec!r} (from {source}) has an empty name; write names joined by "
-                "'+', middleware first and a backend last, e.g. 'counting+c10d'."
+                f"'+', middleware first and a backend last, e.g. {self._example_chain()}."
             )
         *middle, last = parts
         backend_names = self.names("backend")
-        if last not in backend_names and ":" not in last and last in self.names("middleware"):
+        if not self._matches("backend", last) and self._matches("middleware", last):
             raise ShardscaleError(
                 f"backend spec {spec!r} (from {source}) ends in the middleware {last!r}; a chain "
-                f"must end in a backend, e.g. '{spec}+c10d'. Backends: {', '.join(backend_names)}."
+                f"must end in a backend, e.g. {self._example_chain(spec)}. Backends: "
+                f"{', '.join(backend_names) or '(none)'}."
             )
         try:
             cls = self.backend_class(last)
         except PluginNotFoundError as exc:
             raise PluginNotFoundError(f"{exc} (requested by {source}: {spec!r})") from None
+        except PluginConflictError as exc:
+            raise PluginConflictError(f"{exc} (requested by {source}: {spec!r})") from None
         reason = _unavailable_reason(cls)
         if reason is not None:
             usable = sorted(
@@ -376,7 +510,7 @@ class Registry:
             )
         backend: CollectiveBackend = cls()
         for mw_name in reversed(middle):
-            if mw_name in backend_names and mw_name not in self.names("middleware"):
+            if self._matches("backend", mw_name) and not self._matches("middleware", mw_name):
                 raise ShardscaleError(
                     f"backend spec {spec!r}: {mw_name!r} is a backend, not a middleware; only the "
                     "last name in a chain may be a backend."
@@ -384,70 +518,189 @@ class Registry:
             backend = self.middleware_class(mw_name)(backend)
         return backend
 
-    def adapters(self) -> list[GradAdapter]:
-        """Every grad adapter, highest priority first."""
+    def _example_chain(self, middleware: str | None = None) -> str:
+        """A chain to show in an error message, made of what is installed here."""
+        try:
+            backend = self._automatic_backend(True).rpartition(":")[2]
+        except ShardscaleError:
+            backend = "local" if "local" in self.names("backend") else "<backend>"
+        if middleware is None:
+            installed = self.names("middleware")
+            middleware = installed[0] if installed else "<middleware>"
+        return f"'{middleware}+{backend}'"
+
+    def _ranked_adapters(self) -> tuple[list[_Item], dict[int, list[_Item]]]:
+        """Adapters highest priority first, and each one's equal-priority rivals."""
         catalog = self._collect()
-        if catalog.adapters_by_priority is None:
+        ranked = catalog.adapters_ranked
+        if ranked is None:
             items = catalog.by_kind.get("adapter", [])
-            ranked = sorted(items, key=lambda it: -int(it.obj.priority))
-            catalog.adapters_by_priority = [it.obj for it in ranked]
-        return list(catalog.adapters_by_priority)
+            # Ties are settled in adapter_for, never by this order (see [Note: equal priorities]).
+            ranked = sorted(items, key=lambda it: (-int(it.obj.priority), it.plugin, it.name))
+            rivals: dict[int, list[_Item]] = {}
+            for it in ranked:
+                same = [o for o in ranked if o is not it and o.obj.priority == it.obj.priority]
+                if same:
+                    rivals[id(it)] = same
+            catalog.adapter_rivals = rivals
+            catalog.adapters_ranked = ranked
+        return ranked, catalog.adapter_rivals
+
+    def adapters(self) -> list[GradAdapter]:
+        """Every grad adapter, highest priority first (equal priorities: see the module Note)."""
+        return [it.obj for it in self._ranked_adapters()[0]]
+
+    def _claims(self, it: _Item, param: torch.Tensor) -> bool:
+        try:
+            return bool(it.obj.claims(param))
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # see [Note: one bad plugin cannot break the house]
+            self._set_item_aside(it, "claims", exc)
+            return False
 
     def adapter_for(self, param: torch.Tensor) -> GradAdapter:
         """The adapter that describes ``param``'s gradient."""
-        catalog = self._collect()
-        if catalog.adapters_by_priority is None:
-            self.adapters()
-        for adapter in catalog.adapters_by_priority or ():
-            if adapter.claims(param):
-                return adapter
+        # Called once per parameter per step: read the ranked list without the lock when ready.
+        catalog = self._catalog
+        if catalog is not None and catalog.adapters_ranked is not None:
+            ranked, rivals = catalog.adapters_ranked, catalog.adapter_rivals
+        else:
+            ranked, rivals = self._ranked_adapters()
+        for it in ranked:
+            try:
+                claimed = bool(it.obj.claims(param))
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # see [Note: one bad plugin cannot break the house]
+                self._set_item_aside(it, "claims", exc)
+                continue
+            if not claimed:
+                continue
+            same = [o for o in rivals.get(id(it), ()) if self._claims(o, param)] if rivals else []
+            if same:
+                raise PluginConflictError(
+                    f"{' and '.join(self._describe_item(x) for x in (it, *same))} all claim a "
+                    f"parameter of type {type(param).__name__} and shape {tuple(param.shape)} "
+                    f"with the same priority {it.obj.priority}; shardscale does not choose "
+                    f"between equals by install order. Block one with {DISABLE_ENV}=<distribution>,"
+                    " or ask their authors for distinct priorities."
+                )
+            adapter: GradAdapter = it.obj
+            return adapter
         from shardscale.core._plain_adapter import is_fsdp1_param
 
+        installed = ", ".join(self.names("adapter")) or "(none)"
         if is_fsdp1_param(param):
             raise PluginNotFoundError(
                 f"a parameter of shape {tuple(param.shape)} is managed by FSDP1 "
                 "(FullyShardedDataParallel), but no installed adapter knows FSDP1: each rank "
                 "holds a different shard, so treating it as a plain tensor would count one shard "
                 "as the whole gradient. Install shardscale-fsdp ('pip install shardscale-fsdp'), "
-                f"or remove it from ${DISABLE_ENV}. Installed adapters: "
-                f"{', '.join(self.names('adapter')) or '(none)'}."
+                f"or remove it from ${DISABLE_ENV}. Installed adapters: {installed}."
+                + self._failures_hint()
             )
         raise PluginNotFoundError(
             f"no grad adapter claims a parameter of type {type(param).__name__}; installed "
-            f"adapters: {', '.join(self.names('adapter')) or '(none)'}. DTensor, FSDP1 and DDP "
-            "parameters need 'pip install shardscale-fsdp'."
+            f"adapters: {installed}. DTensor, FSDP1 and DDP parameters need "
+            "'pip install shardscale-fsdp'." + self._failures_hint()
         )
+
+    def _supports(self, it: _Item, device: torch.device) -> bool:
+        try:
+            return bool(it.obj.supports(device))
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # see [Note: one bad plugin cannot break the house]
+            self._set_item_aside(it, "supports", exc)
+            return False
 
     def kernels_for(self, device: torch.device, name: str | None = None) -> StatsKernels:
         """The statistics kernels to use on ``device`` (or the one called ``name``)."""
         if name is not None:
+            matches = self._matches("kernels", name)
             kernels: StatsKernels = self._lookup("kernels", name)
-            if not kernels.supports(device):
+            if not self._supports(matches[0], device):
+                failed = self._set_aside.get(matches[0].key)
+                if failed is not None:
+                    raise BackendUnavailableError(
+                        f"kernels {name!r} failed on device {device}: {failed.error}. Fix: "
+                        f"{failed.fix}; or choose other kernels with kernels=..."
+                    )
+                reason = _unavailable_reason(kernels)
                 raise BackendUnavailableError(
-                    f"kernels {name!r} do not support device {device}; choose another with "
-                    f"kernels=... (installed: {', '.join(self.names('kernels'))})"
+                    f"kernels {name!r} do not support device {device}"
+                    + (f" ({reason})" if reason else "")
+                    + f"; choose another with kernels=... (installed: "
+                    f"{', '.join(self.names('kernels'))})"
                 )
             return kernels
-        items = self._collect().by_kind.get("kernels", [])
-        for it in sorted(items, key=lambda it: -int(it.obj.priority)):
-            if it.obj.supports(device):
-                chosen: StatsKernels = it.obj
-                return chosen
+        catalog = self._collect()
+        cached = catalog.kernels_by_device.get(str(device))
+        if cached is not None:
+            chosen: StatsKernels = cached
+            return chosen
+        items = catalog.by_kind.get("kernels", [])
+        ranked = sorted(items, key=lambda it: (-int(it.obj.priority), it.plugin, it.name))
+        for it in ranked:
+            if not self._supports(it, device):
+                continue
+            same = [
+                o
+                for o in ranked
+                if o is not it and o.obj.priority == it.obj.priority and self._supports(o, device)
+            ]
+            if same:
+                raise PluginConflictError(
+                    f"{' and '.join(self._describe_item(x) for x in (it, *same))} all support "
+                    f"device {device} with the same priority {it.obj.priority}; shardscale does "
+                    "not choose between equals by install order. Name one with "
+                    f"kernels='<distribution>:<name>', or block one with {DISABLE_ENV}."
+                )
+            # Cache in the catalog read above: if a probe set something aside, that one is stale.
+            catalog.kernels_by_device[str(device)] = it.obj
+            chosen = it.obj
+            return chosen
+        unusable = [
+            f"{it.name} ({_unavailable_reason(it.obj) or 'does not support it'})"
+            for it in self._collect().by_kind.get("kernels", [])
+        ]
         raise PluginNotFoundError(
             f"no stats kernels support device {device}; installed: "
-            f"{', '.join(self.names('kernels')) or '(none)'}"
+            f"{', '.join(unusable) or '(none)'}." + self._failures_hint()
         )
 
     # -- observers -----------------------------------------------------------------------------
 
+    def _observer_impls(self) -> list[Any]:
+        self.load()
+        impls = self._pm.hook.shardscale_on_step.get_hookimpls()
+        # pluggy calls the last registered first; keep that order, minus the ones set aside.
+        return [
+            impl
+            for impl in reversed(impls)
+            if not (impl.hookwrapper or impl.wrapper)  # reported as a failure by _collect
+            and (impl.plugin_name, "observer", "shardscale_on_step") not in self._set_aside
+        ]
+
     def has_step_observers(self) -> bool:
         """Whether any plugin implements ``shardscale_on_step`` (skip building records if not)."""
-        self.load()
-        return bool(self._pm.hook.shardscale_on_step.get_hookimpls())
+        return bool(self._observer_impls())
 
     def notify_step(self, record: StepRecord) -> None:
-        """Call every ``shardscale_on_step`` observer with ``record``."""
-        self._pm.hook.shardscale_on_step(record=record)
+        """Call every ``shardscale_on_step`` observer with ``record``, each on its own.
+
+        An observer that raises is recorded, warned about and not called again;
+        the step it observed is already complete and is not affected.
+        """
+        for impl in self._observer_impls():
+            try:
+                impl.function(**{arg: record for arg in impl.argnames})
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # see [Note: one bad plugin cannot break the house]
+                item = _Item("shardscale_on_step", "observer", impl.function, impl.plugin_name)
+                self._set_item_aside(item, "observer", exc)
 
     # -- listing -------------------------------------------------------------------------------
 
@@ -468,66 +721,54 @@ class Registry:
             for it in items:
                 dist, version = self._origin(it.plugin)
                 reason = _unavailable_reason(it.obj)
-                if reason is None and kind == "kernels":
-                    reason = (
-                        None if _supports_any(it.obj) else "no supported device on this machine"
-                    )
+                if reason is None and kind == "kernels" and not self._supports_any(it):
+                    reason = "no supported device on this machine"
+                priority = int(it.obj.priority) if kind in ("adapter", "kernels") else None
                 out.append(
-                    ItemInfo(it.name, kind, it.plugin, dist, version, reason is None, reason)
+                    ItemInfo(
+                        it.name, kind, it.plugin, dist, version, reason is None, reason, priority
+                    )
                 )
-        return sorted(out, key=lambda i: (i.kind, i.name))
+        return sorted(out, key=lambda i: (i.kind, -(i.priority or 0), i.name, i.plugin))
+
+    def _supports_any(self, it: _Item) -> bool:
+        import torch
+
+        devices = [torch.device("cpu")]
+        if torch.cuda.is_available():
+            devices.append(torch.device("cuda"))
+        return any(self._supports(it, d) for d in devices)
 
     def failures(self) -> list[LoadFailure]:
-        """Plugins that were blocked or failed to import."""
+        """Plugins (or their hooks or items) that failed, were set aside, or were blocked."""
+        catalog = self._collect()
+        with self._lock:
+            return [*self._failures, *catalog.failures, *self._set_aside.values()]
+
+    def unmatched_disable_names(self) -> list[str]:
+        """Names in ``$SHARDSCALE_DISABLE_PLUGINS`` that matched no installed plugin."""
         self.load()
-        return list(self._failures)
+        return list(self._unmatched)
 
     def hook_names(self) -> Iterator[str]:
         """Names of every hook specification."""
         yield from _hookspecs.HOOK_KINDS
 
 
-def _supports_any(kernels: Any) -> bool:
-    import torch
-
-    devices = [torch.device("cpu")]
-    if torch.cuda.is_available():
-        devices.append(torch.device("cuda"))
-    return any(kernels.supports(d) for d in devices)
-
-
-def _install_hint(kind: str, name: str) -> str:
-    hints = {
-        ("backend", "c10d"): "shardscale-collectives",
-        ("backend", "gloo"): "shardscale-collectives",
-        ("backend", "nccl"): "shardscale-collectives",
-        ("middleware", "counting"): "shardscale-collectives",
-        ("middleware", "coalescing"): "shardscale-collectives",
-    }
-    dist = hints.get((kind, name))
-    return f" {name!r} comes with 'pip install {dist}'." if dist else ""
+def _warn(failure: LoadFailure) -> None:
+    version = f" {failure.version}" if failure.version else ""
+    warnings.warn(
+        f"shardscale plugin {failure.name!r} ({failure.distribution}{version}) failed and is "
+        f"left out: {failure.error}. Everything else still works. Fix: {failure.fix}.",
+        PluginWarning,
+        stacklevel=4,
+    )
 
 
-def _automatic_backend() -> str:
+def _process_group_initialized() -> bool:
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        return "c10d"
-    return "local"
-
-
-def _ep_origin(ep: md.EntryPoint) -> tuple[str, str]:
-    dist = getattr(ep, "dist", None)
-    if dist is None:
-        return ("<unknown distribution>", "")
-    return (dist.metadata["Name"] or dist.name, dist.version)
-
-
-def _dist_version(name: str) -> str:
-    try:
-        return md.version(name)
-    except md.PackageNotFoundError:
-        return ""
+    return bool(dist.is_available() and dist.is_initialized())
 
 
 _registry: Registry | None = None

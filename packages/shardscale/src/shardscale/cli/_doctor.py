@@ -1,8 +1,13 @@
 """``shardscale doctor``: check the environment a user is about to train in, and say what to fix.
 
 Each check yields a :class:`Finding` with a status: ``ok``, ``info``, ``warn``
-(works, but probably not what you want) or ``error`` (training will fail).
-The command exits non-zero when any finding is an error.
+(works, but probably not what you want) or ``error`` (training will fail, or a
+plugin was set aside). The command exits non-zero when any finding is an error.
+
+It builds what a scaler would build here (backend chain from ``--backend`` or
+``$SHARDSCALE_BACKEND`` or the automatic choice, adapters in their order,
+kernels per device) and runs two scaler iterations in this process, so "nothing
+is broken" means a scaler really stepped here.
 """
 
 from __future__ import annotations
@@ -11,9 +16,12 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Finding", "add_doctor_parser", "run_checks", "run_doctor"]
 
@@ -92,118 +100,320 @@ def _torch_checks() -> Iterator[Finding]:
                       "for GPUs install a CUDA build of torch")  # fmt: skip
 
 
-def _launch_checks(connect: bool, backend: str | None) -> Iterator[Finding]:
+def _launch_checks(connect: bool) -> tuple[list[Finding], bool]:
+    """The torchrun variables; returns the findings and whether this is a complete launch."""
     present = {k: os.environ[k] for k in _LAUNCH_VARS if k in os.environ}
     if not present:
-        yield Finding("launch", "info", "not launched by torchrun (no RANK/WORLD_SIZE); single "
-                      "process. 'shardscale demo' starts several for you.")  # fmt: skip
+        out = [Finding("launch", "info", "not launched by torchrun (no RANK/WORLD_SIZE); single "
+                       "process. 'shardscale demo' starts several for you.")]  # fmt: skip
         if connect:
-            yield Finding("process group", "warn", "--connect needs a torchrun launch",
-                          "torchrun --nproc-per-node 2 -m shardscale.cli doctor --connect")  # fmt: skip
-        return
+            out.append(Finding("process group", "warn", "--connect needs a torchrun launch",
+                               "torchrun --nproc-per-node 2 -m shardscale.cli doctor --connect"))  # fmt: skip
+        return out, False
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in present]
     if missing:
-        yield Finding("launch", "error",
-                      f"launch variables partly set: {', '.join(sorted(present))} but not {', '.join(missing)}",
-                      "start with torchrun, which sets them all, or unset them")  # fmt: skip
-        return
+        return [Finding("launch", "error",
+                        f"launch variables partly set: {', '.join(sorted(present))} but not {', '.join(missing)}",
+                        "start with torchrun, which sets them all, or unset them")], False  # fmt: skip
     try:
         rank, world = int(present["RANK"]), int(present["WORLD_SIZE"])
         local = int(present.get("LOCAL_RANK", "0"))
         int(present["MASTER_PORT"])
     except ValueError as exc:
-        yield Finding("launch", "error", f"a launch variable is not a number: {exc}",
-                      "start with torchrun instead of setting the variables by hand")  # fmt: skip
-        return
+        return [Finding("launch", "error", f"a launch variable is not a number: {exc}",
+                        "start with torchrun instead of setting the variables by hand")], False  # fmt: skip
     if not 0 <= rank < world:
-        yield Finding("launch", "error", f"RANK={rank} is outside WORLD_SIZE={world}",
-                      "every rank must be in [0, WORLD_SIZE)")  # fmt: skip
-        return
+        return [Finding("launch", "error", f"RANK={rank} is outside WORLD_SIZE={world}",
+                        "every rank must be in [0, WORLD_SIZE)")], False  # fmt: skip
     elastic = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "a launcher"
-    yield Finding("launch", "ok", f"rank {rank} of {world} (local rank {local}) started by {elastic}; "
-                  f"rendezvous {present['MASTER_ADDR']}:{present['MASTER_PORT']}")  # fmt: skip
+    out = [Finding("launch", "ok", f"rank {rank} of {world} (local rank {local}) started by {elastic}; "
+                   f"rendezvous {present['MASTER_ADDR']}:{present['MASTER_PORT']}")]  # fmt: skip
     import torch
 
     if torch.cuda.is_available() and local >= torch.cuda.device_count():
-        yield Finding("launch", "error",
-                      f"local rank {local} but only {torch.cuda.device_count()} GPU(s) here",
-                      "use --nproc-per-node <= the number of GPUs")  # fmt: skip
-    if connect:
-        yield _connect_check(backend)
+        out.append(Finding("launch", "error",
+                           f"local rank {local} but only {torch.cuda.device_count()} GPU(s) here",
+                           "use --nproc-per-node <= the number of GPUs"))  # fmt: skip
+        return out, False
+    return out, True
 
 
-def _connect_check(backend: str | None) -> Finding:
+def _plugin_fix(exc: BaseException, source: str = "") -> str:
+    """What to do about an error raised while building or running what a scaler builds."""
+    from shardscale.core import (
+        BackendUnavailableError,
+        PluginConflictError,
+        PluginNotFoundError,
+    )
+
+    if isinstance(exc, PluginConflictError):
+        return ("two plugins provide the same thing: pick one explicitly as '<distribution>:<name>' "
+                "or block one with SHARDSCALE_DISABLE_PLUGINS=<distribution> (see 'shardscale plugins')")  # fmt: skip
+    if isinstance(exc, PluginNotFoundError) and source == "automatic choice":
+        return ("name a backend with --backend or SHARDSCALE_BACKEND, or install (or unblock in "
+                "SHARDSCALE_DISABLE_PLUGINS) the plugin that provides the automatic choice")  # fmt: skip
+    if isinstance(exc, PluginNotFoundError):
+        return ("fix the name in --backend/SHARDSCALE_BACKEND, or install (or unblock) the plugin "
+                "that provides it; 'shardscale plugins' lists what is installed")  # fmt: skip
+    if isinstance(exc, BackendUnavailableError):
+        return "choose a backend that can run here ('shardscale plugins' says which can)"
+    return ("see the message; 'shardscale plugins' shows what each plugin provides and what "
+            "failed to load")  # fmt: skip
+
+
+def _say(exc: BaseException) -> str:
+    """shardscale's own errors in full (they name the problem and the fix); others in one line."""
+    from shardscale.core import ShardscaleError
+
+    return str(exc) if isinstance(exc, ShardscaleError) else _one_line(exc)
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _build_checks(spec: str, source: str) -> tuple[list[Finding], bool]:
+    """Build what a scaler builds here: backend chain, adapters, kernels per device.
+
+    Returns the findings and whether the backend chain could be built.
+    """
+    import torch
+
+    from shardscale.core import get_registry
+
+    reg = get_registry()
+    out: list[Finding] = []
+    built = True
+    try:
+        backend = reg.make_backend(spec, source=source)
+        chain = []
+        node: Any = backend
+        while node is not None:
+            chain.append(f"{getattr(node, 'name', '?')} ({type(node).__name__})")
+            node = getattr(node, "inner", None)
+        out.append(Finding("backend", "ok", f"{spec!r} from {source}: {' -> '.join(chain)}"))
+    except Exception as exc:  # a plugin's constructor may raise anything
+        built = False
+        out.append(Finding("backend", "error", f"{spec!r} from {source} cannot be built: {_say(exc)}",
+                           _plugin_fix(exc, source)))  # fmt: skip
+    items = reg.items()
+    adapters = [i for i in items if i.kind == "adapter"]
+    if adapters:
+        ranked = ", ".join(f"{i.name} ({i.priority}, {i.distribution})" for i in adapters)
+        out.append(Finding("adapters", "ok", f"consulted in this order: {ranked}"))
+    else:
+        out.append(Finding("adapters", "error", "no grad adapter is registered: no step can run",
+                           "install shardscale-core's plugin (unblock 'core' in "
+                           "SHARDSCALE_DISABLE_PLUGINS) or another adapter plugin"))  # fmt: skip
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices.append(torch.device("cuda"))
+    for device in devices:
+        try:
+            k = reg.kernels_for(device)
+            info = next((i for i in items if i.kind == "kernels" and i.name == k.name), None)
+            where = f"{info.distribution}, priority {info.priority}" if info else "?"
+            out.append(Finding(f"kernels ({device.type})", "ok", f"{k.name} ({where})"))
+        except Exception as exc:
+            out.append(Finding(f"kernels ({device.type})", "error", _say(exc), _plugin_fix(exc)))
+    for i in items:
+        if i.kind == "kernels" and not i.usable:
+            out.append(Finding(f"kernels ({i.name})", "info",
+                               f"{i.name} ({i.distribution}) is not used here: {i.reason}"))  # fmt: skip
+    return out, built
+
+
+def _scaler_step_check(spec: str, device: torch.device) -> Finding:
+    """Two real scaler iterations: a finite gradient must step, an inf must skip and back off."""
+    import torch
+
+    from shardscale.core import ShardedGradScaler
+
+    try:
+        param = torch.nn.Parameter(torch.ones(4, device=device))
+        opt = torch.optim.SGD([param], lr=1.0)
+        scaler = ShardedGradScaler(device.type, backend=spec, init_scale=16.0)
+        scaler.scale(param.sum()).backward()  # type: ignore[no-untyped-call]
+        scaler.step(opt)
+        scaler.update()
+        stepped = bool(torch.equal(param.detach().cpu(), torch.zeros(4)))  # 1 - lr * grad 1
+        opt.zero_grad()
+        scaler.scale(param.sum() * float("inf")).backward()  # type: ignore[no-untyped-call]
+        scaler.step(opt)
+        scaler.update()
+        skipped = bool(torch.equal(param.detach().cpu(), torch.zeros(4)))
+        scale = scaler.get_scale()
+    except Exception as exc:
+        return Finding("scaler step", "error", f"a one-step check with backend {spec!r} on "
+                       f"{device} failed: {_one_line(exc)}", _plugin_fix(exc))  # fmt: skip
+    if not (stepped and skipped and scale == 8.0):
+        return Finding("scaler step", "error",
+                       f"a one-step check on {device} gave stepped={stepped}, skipped an inf "
+                       f"gradient={skipped}, scale={scale} (expected True, True, 8.0)",
+                       "a plugin in the backend chain or the kernels returns wrong values: try "
+                       "another with --backend, or block plugins one by one")  # fmt: skip
+    return Finding("scaler step", "ok", f"ShardedGradScaler on {device} with {spec!r}: a finite "
+                   "step stepped, an inf step was skipped and the scale backed off")  # fmt: skip
+
+
+def _step_device() -> torch.device:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _private_step_check(spec: str, *, needs_group: bool) -> Finding:
+    """The step check in this process; in a private 1-rank gloo group when the chain needs one."""
+    import torch.distributed as dist
+
+    if not needs_group or dist.is_initialized() or not dist.is_gloo_available():
+        return _scaler_step_check(spec, _step_device())
+    # A group of one, on an in-memory store: no rendezvous, nothing reachable from outside.
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        return _scaler_step_check(spec, _step_device())
+    finally:
+        dist.destroy_process_group()
+
+
+def _connect_check(spec: str, built: bool) -> list[Finding]:
+    """Join the torchrun process group, all-reduce through the backend, then the step check."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    from shardscale.core import ReduceOp, get_registry
+    from shardscale.core import ReduceOp, ShardscaleError, get_registry
 
+    if not built:
+        # The rendezvous is fine as far as we know: the plugin problem is reported above.
+        return [Finding("process group", "error",
+                        f"not attempted: the backend chain {spec!r} cannot be built (see 'backend')",
+                        "fix the plugin problem above first; MASTER_ADDR/MASTER_PORT were not tried")]  # fmt: skip
+    try:
+        impl = get_registry().make_backend(spec)
+    except Exception as exc:
+        return [Finding("process group", "error", f"not attempted: the backend chain {spec!r} "
+                        f"cannot be built: {_say(exc)}", _plugin_fix(exc))]  # fmt: skip
     use_cuda = torch.cuda.is_available()
     try:
         if not dist.is_initialized():
             if use_cuda:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=60))
-        impl = get_registry().make_backend(backend)
-        ones = torch.ones(1, device="cuda" if use_cuda else "cpu")
-        impl.all_reduce(ones, op=ReduceOp.SUM, group=None).wait()
-        world = dist.get_world_size()
-        got = int(ones.item())
     except Exception as exc:
-        return Finding("process group", "error", f"could not reduce across ranks: {exc}",
-                       "check that every rank started and MASTER_ADDR/port are reachable")  # fmt: skip
+        return [Finding("process group", "error", f"could not join the process group: {_one_line(exc)}",
+                        "check that every rank started and MASTER_ADDR:MASTER_PORT is reachable "
+                        "from this host")]  # fmt: skip
+    try:
+        ones = torch.ones(1, device="cuda" if use_cuda else "cpu")
+        try:
+            impl.all_reduce(ones, op=ReduceOp.SUM, group=None).wait()
+        except ShardscaleError as exc:
+            return [Finding("process group", "error",
+                            f"the backend chain {spec!r} refused to all-reduce: {_one_line(exc)}",
+                            _plugin_fix(exc))]  # fmt: skip
+        except Exception as exc:
+            return [Finding("process group", "error", f"could not reduce across ranks: {_one_line(exc)}",
+                            "check that every rank started and can reach the others")]  # fmt: skip
+        world, got = dist.get_world_size(), int(ones.item())
+        if got != world:
+            return [Finding("process group", "error", f"all-reduce of ones gave {got}, expected {world}",
+                            "a rank is using the wrong group or backend; run 'shardscale plugins'")]  # fmt: skip
+        out = [
+            Finding(
+                "process group", "ok", f"{type(impl).__name__} all-reduced across {world} ranks"
+            )
+        ]
+        out.append(_scaler_step_check(spec, _step_device()))
+        return out
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    if got != world:
-        return Finding("process group", "error", f"all-reduce of ones gave {got}, expected {world}",
-                       "a rank is using the wrong group or backend; run 'shardscale plugins'")  # fmt: skip
-    return Finding("process group", "ok",
-                   f"{type(impl).__name__} all-reduced across {world} ranks")  # fmt: skip
 
 
-def _plugin_checks(backend: str | None) -> Iterator[Finding]:
-    from shardscale.core import ShardscaleError, get_registry
+def _plugin_checks() -> Iterator[Finding]:
+    from shardscale.core import DISABLE_ENV, get_registry
 
-    try:
-        reg = get_registry()
-        items = reg.items()
-    except ShardscaleError as exc:
-        yield Finding(
-            "plugins", "error", str(exc), "see the message: uninstall or block one plugin"
-        )
-        return
-    for failure in reg.failures():
+    reg = get_registry()
+    items = reg.items()
+    failures = reg.failures()
+    blocked = [f for f in failures if f.blocked]
+    for failure in failures:
         if failure.blocked:
-            yield Finding("plugins", "info", f"{failure.name} ({failure.distribution}) is blocked "
-                          "by SHARDSCALE_DISABLE_PLUGINS")  # fmt: skip
-        else:
+            continue
+        yield Finding("plugins", "error",
+                      f"{failure.name} ({failure.distribution} {failure.version}) was set aside "
+                      f"[{failure.stage}]: {failure.error}", failure.fix)  # fmt: skip
+    if blocked:
+        gone = ", ".join(f"{f.name} ({f.distribution})" for f in blocked)
+        remains = "; ".join(
+            f"{label}: {', '.join(sorted({i.name for i in items if i.kind == kind})) or '(none)'}"
+            for kind, label in (
+                ("backend", "backends"),
+                ("middleware", "middleware"),
+                ("adapter", "adapters"),
+                ("kernels", "kernels"),
+            )
+        )
+        yield Finding("plugins", "info", f"blocked by {DISABLE_ENV} (not imported): {gone}. "
+                      f"What remains: {remains}")  # fmt: skip
+    unmatched = reg.unmatched_disable_names()
+    if unmatched:
+        known = sorted({p.name for p in reg.plugins()} | {p.distribution for p in reg.plugins()})
+        yield Finding("plugins", "warn",
+                      f"{DISABLE_ENV} names {', '.join(map(repr, unmatched))}, which match no "
+                      "installed plugin, so they block nothing",
+                      f"check the spelling; installed names: {', '.join(known)}")  # fmt: skip
+    by_name: dict[tuple[str, str], list[str]] = {}
+    for i in items:
+        by_name.setdefault((i.kind, i.name), []).append(f"{i.distribution} (plugin {i.plugin!r})")
+    for (kind, name), owners in sorted(by_name.items()):
+        if len(owners) > 1:
             yield Finding("plugins", "error",
-                          f"{failure.name} ({failure.distribution} {failure.version}) failed to "
-                          f"load: {failure.error}",
-                          f"reinstall it (pip install --force-reinstall {failure.distribution}) "
-                          f"or block it with SHARDSCALE_DISABLE_PLUGINS={failure.name}")  # fmt: skip
+                          f"the {kind} name {name!r} is provided by {' and '.join(owners)}: "
+                          "asking for it by name fails",
+                          f"uninstall or block one (SHARDSCALE_DISABLE_PLUGINS=<distribution>), or "
+                          f"always qualify it as '<distribution>:{name}'")  # fmt: skip
+    for kind in ("adapter", "kernels"):
+        by_priority: dict[int, list[str]] = {}
+        for i in items:
+            if i.kind == kind and i.priority is not None:
+                by_priority.setdefault(i.priority, []).append(f"{i.name} ({i.distribution})")
+        for priority, names in sorted(by_priority.items()):
+            if len(names) > 1:
+                yield Finding("plugins", "warn",
+                              f"{kind} {' and '.join(names)} share priority {priority}: where both "
+                              "apply to one parameter or device, the lookup is an error",
+                              "block one, or ask their authors for distinct priorities")  # fmt: skip
     usable = sorted(f"{i.kind}:{i.name}" for i in items if i.usable)
     yield Finding("plugins", "ok", f"{len(usable)} usable: {', '.join(usable)}")
     for dist_name, what in (("shardscale-collectives", "c10d backend"),
                             ("shardscale-clip", "unscale_and_clip_"),
                             ("shardscale-fsdp", "FSDP/DTensor adapters")):  # fmt: skip
         if not any(i.distribution == dist_name for i in items) and not any(
-            f.distribution == dist_name for f in reg.failures()
+            f.distribution == dist_name for f in failures
         ):
             yield Finding(dist_name, "warn" if dist_name != "shardscale-clip" else "info",
                           f"{dist_name} registers no plugins here ({what})",
                           f"pip install {dist_name}")  # fmt: skip
-    if backend is not None:
-        try:
-            reg.make_backend(backend)
-            yield Finding("backend", "ok", f"backend spec {backend!r} can be built here")
-        except ShardscaleError as exc:
-            yield Finding(
-                "backend", "error", str(exc), "pick a usable name from 'shardscale plugins'"
-            )
+
+
+_T = TypeVar("_T")
+
+
+def _guarded(check: str, run: Callable[[], _T], empty: _T, crashes: list[Finding]) -> _T:
+    """Run one group of checks; a crash of doctor itself becomes a finding, not a traceback."""
+    try:
+        return run()
+    except Exception as exc:
+        crashes.append(Finding(check, "error", f"this check itself failed: {_one_line(exc)}",
+                               "please report it with the output of 'shardscale doctor --json'"))  # fmt: skip
+        return empty
 
 
 # Trainer integrations: (distribution, the framework it adapts). Checked only when installed.
@@ -245,11 +455,49 @@ def _integration_checks() -> Iterator[Finding]:
 
 
 def run_checks(*, connect: bool = False, backend: str | None = None) -> list[Finding]:
-    """Every check, in order."""
+    """Every check, in order.
+
+    The backend chain, adapters and kernels are built exactly as a scaler
+    would build them in this environment (``--backend``, else
+    ``$SHARDSCALE_BACKEND``, else the automatic choice as under this launch),
+    and two scaler iterations run in-process; plugin failures recorded along
+    the way (an adapter's ``claims()`` that raises, say) are reported last.
+    """
+    import warnings
+
+    from shardscale.core import PluginWarning, ShardscaleError, get_registry
+
     findings = list(_torch_checks())
-    findings += list(_plugin_checks(backend))
-    findings += list(_integration_checks())
-    findings += list(_launch_checks(connect, backend))
+    launch, launched = _launch_checks(connect)
+    with warnings.catch_warnings():
+        # Every plugin warning becomes a finding below; do not print it twice.
+        warnings.simplefilter("ignore", PluginWarning)
+        try:
+            spec, source = get_registry().backend_spec(backend, distributed=launched)
+        except ShardscaleError as exc:
+            findings.append(Finding("backend", "error", f"no backend can be chosen: {exc}",
+                                    _plugin_fix(exc)))  # fmt: skip
+            spec, source = "", ""
+        built = False
+        crashes: list[Finding] = []
+        if spec:
+            nothing: tuple[list[Finding], bool] = ([], False)
+            build, built = _guarded("build", lambda: _build_checks(spec, source), nothing, crashes)
+            findings += build
+        findings += launch
+        if connect and launched:
+            findings += _guarded("process group", lambda: _connect_check(spec, built), [], crashes)
+        elif built:
+            needs_group = source != "automatic choice" or launched
+            findings += _guarded(
+                "scaler step",
+                lambda: [_private_step_check(spec, needs_group=needs_group)],
+                [],
+                crashes,
+            )
+        findings += _guarded("plugins", lambda: list(_plugin_checks()), [], crashes)
+        findings += _guarded("integrations", lambda: list(_integration_checks()), [], crashes)
+    findings += crashes
     return findings
 
 

@@ -9,6 +9,9 @@ from typing import Any, TextIO
 
 __all__ = ["add_plugins_parser", "collect_plugins", "run_plugins"]
 
+_PLURAL = {"backend": "backends", "middleware": "middleware", "adapter": "adapters",
+           "kernels": "kernels"}  # fmt: skip
+
 
 def add_plugins_parser(sub: Any) -> argparse.ArgumentParser:
     """Register the ``plugins`` subcommand."""
@@ -25,10 +28,25 @@ def add_plugins_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def collect_plugins() -> dict[str, Any]:
-    """The listing as plain data: ``items``, ``plugins`` (modules) and ``failures``."""
-    from shardscale.core import get_registry
+    """The listing as plain data: ``items``, ``plugins`` (modules), ``failures`` and ``disable``.
+
+    ``failures`` holds every plugin, hook or item that was set aside (one-line
+    ``error`` and a ``fix``, never a traceback) or blocked; ``disable`` says what
+    ``SHARDSCALE_DISABLE_PLUGINS`` blocked, which of its names matched nothing,
+    and what remains of each kind.
+    """
+    import warnings
+
+    from shardscale.core import PluginWarning, get_registry
 
     reg = get_registry()
+    with warnings.catch_warnings():
+        # Each warning is an entry of "failures" or "disable" below: do not print it twice.
+        warnings.simplefilter("ignore", PluginWarning)
+        items = reg.items()
+        plugins = reg.plugins()
+        failures = reg.failures()
+        unmatched = reg.unmatched_disable_names()
     return {
         "items": [
             {
@@ -37,10 +55,11 @@ def collect_plugins() -> dict[str, Any]:
                 "plugin": it.plugin,
                 "distribution": it.distribution,
                 "version": it.version,
+                "priority": it.priority,
                 "usable": it.usable,
                 "reason": it.reason,
             }
-            for it in reg.items()
+            for it in items
         ],
         "plugins": [
             {
@@ -49,23 +68,33 @@ def collect_plugins() -> dict[str, Any]:
                 "version": p.version,
                 "hooks": list(p.hooks),
             }
-            for p in reg.plugins()
+            for p in plugins
         ],
         "failures": [
             {
                 "name": f.name,
                 "distribution": f.distribution,
                 "version": f.version,
+                "stage": f.stage,
                 "error": f.error,
+                "fix": f.fix,
                 "blocked": f.blocked,
             }
-            for f in reg.failures()
+            for f in failures
         ],
+        "disable": {
+            "blocked": sorted({f.name for f in failures if f.blocked}),
+            "unmatched": unmatched,
+            "remaining": {
+                kind: sorted({it.name for it in items if it.kind == kind})
+                for kind in ("backend", "middleware", "adapter", "kernels")
+            },
+        },
     }
 
 
 def run_plugins(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
-    """Print the listing; exit status 1 when a plugin failed to load (blocked ones are fine)."""
+    """Print the listing; exit status 1 when a plugin failed (blocked ones are fine)."""
     from shardscale.cli._ui import print_table
 
     out = stream if stream is not None else sys.stdout
@@ -78,6 +107,7 @@ def run_plugins(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
         (
             it["name"],
             it["kind"],
+            "-" if it["priority"] is None else str(it["priority"]),
             it["distribution"],
             it["version"] or "-",
             "yes" if it["usable"] else f"no: {it['reason']}",
@@ -87,16 +117,36 @@ def run_plugins(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
     print_table(
         "shardscale plugins",
         rows,
-        headers=("name", "kind", "distribution", "version", "usable here"),
+        headers=("name", "kind", "priority", "distribution", "version", "usable here"),
         stream=out,
+    )
+    print(
+        "Adapters and kernels are tried highest priority first; where two of equal priority "
+        "both apply, the lookup is an error naming both (never install order).",
+        file=out,
     )
     # Plugins with no hook (the trainer integrations) own no row above: name them here.
     bare = [p for p in data["plugins"] if not p["hooks"]]
     if bare:
-        names = ", ".join(f"{p['name']} ({p['distribution']} {p['version']})" for p in bare)
-        print(f"also installed, used from their frameworks: {names}", file=out)
+        listed = ", ".join(f"{p['name']} ({p['distribution']} {p['version']})" for p in bare)
+        print(f"also installed, used from their frameworks: {listed}", file=out)
     for f in data["failures"]:
-        what = "blocked" if f["blocked"] else "FAILED to load"
-        print(f"plugin {f['name']!r} ({f['distribution']} {f['version']}) {what}: {f['error']}",
+        version = f" {f['version']}" if f["version"] else ""
+        if f["blocked"]:
+            print(f"plugin {f['name']!r} ({f['distribution']}{version}) blocked by "
+                  "SHARDSCALE_DISABLE_PLUGINS: not imported", file=out)  # fmt: skip
+        else:
+            print(f"plugin {f['name']!r} ({f['distribution']}{version}) FAILED [{f['stage']}]: "
+                  f"{f['error']}\n    fix: {f['fix']}", file=out)  # fmt: skip
+    disable = data["disable"]
+    if disable["unmatched"]:
+        print(f"SHARDSCALE_DISABLE_PLUGINS names {', '.join(map(repr, disable['unmatched']))}, "
+              "which match no installed plugin: they block nothing (check the spelling)",
               file=out)  # fmt: skip
+    if disable["blocked"]:
+        remains = "; ".join(
+            f"{_PLURAL[kind]}: {', '.join(names) or '(none)'}"
+            for kind, names in disable["remaining"].items()
+        )
+        print(f"with {', '.join(disable['blocked'])} blocked, what remains is {remains}", file=out)
     return 1 if broken else 0
