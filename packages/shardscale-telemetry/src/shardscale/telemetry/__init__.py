@@ -41,6 +41,7 @@ from shardscale.telemetry._spec import (
     SinkSpec,
     TelemetryConfigError,
     TelemetrySpec,
+    observer_kinds,
     parse_spec,
     spec_from_env,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "ENV",
     "DEFAULT_FLUSH_EVERY",
     "OBSERVER_KINDS",
+    "observer_kinds",
     "parse_spec",
     "spec_from_env",
     "observers_from_spec",

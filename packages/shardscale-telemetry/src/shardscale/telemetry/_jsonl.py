@@ -40,7 +40,9 @@ class JsonlObserver:
         """Create the file for ``rank`` (and its folders)."""
         path = rank_path(self._template, rank)
         if path.is_dir():
-            raise IsADirectoryError(f"the JSONL observer's path {path} is a folder; pass a file path")
+            raise IsADirectoryError(
+                f"the JSONL observer's path {path} is a folder; pass a file path"
+            )
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "a" if self._append else "w", encoding="utf-8")  # noqa: SIM115
         self.path = path

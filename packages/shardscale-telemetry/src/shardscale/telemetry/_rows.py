@@ -73,9 +73,7 @@ class StepRow:
 _SCALARS = ("scale", "skipped", "growth_tracker", "hysteresis_tracker", "grad_norm")
 
 
-def read_rows(
-    records: Sequence[StepRecord], *, rank: int, times: Sequence[float]
-) -> list[StepRow]:
+def read_rows(records: Sequence[StepRecord], *, rank: int, times: Sequence[float]) -> list[StepRow]:
     """Turn ``records`` into rows with one device-to-host read per device (see the note).
 
     ``times[i]`` is the wall-clock time ``records[i]`` arrived.

@@ -33,6 +33,7 @@ __all__ = [
     "TelemetrySpec",
     "parse_spec",
     "spec_from_env",
+    "observer_kinds",
 ]
 
 ENV = "SHARDSCALE_TELEMETRY"
@@ -73,7 +74,9 @@ def _fail(text: str, problem: str) -> TelemetryConfigError:
 def _parse_option(text: str, key: str, value: str) -> tuple[str, int | str]:
     if key == "every":
         if not re.fullmatch(r"[0-9]+", value.strip()) or int(value) < 1:
-            raise _fail(text, f"every={value!r} must be a whole number of steps >= 1 (e.g. every=50)")
+            raise _fail(
+                text, f"every={value!r} must be a whole number of steps >= 1 (e.g. every=50)"
+            )
         return key, int(value)
     if key == "ranks":
         v = value.strip()
@@ -124,7 +127,10 @@ def parse_spec(text: str) -> TelemetrySpec | None:
             target = target.strip() or None
         if OBSERVER_KINDS[kind] and target is None:
             what = "a file path" if kind == "jsonl" else "a folder"
-            raise _fail(text, f"{kind} needs {what}: write {kind}:{'runs/steps.jsonl' if kind == 'jsonl' else 'runs/tb'}")
+            raise _fail(
+                text,
+                f"{kind} needs {what}: write {kind}:{'runs/steps.jsonl' if kind == 'jsonl' else 'runs/tb'}",
+            )
         if any(s.kind == kind for s in sinks):
             raise _fail(text, f"the observer {kind} is given twice; give each observer once")
         sinks.append(SinkSpec(kind, target))
@@ -156,3 +162,15 @@ def _ranked(target: str) -> str:
 def spec_from_env() -> TelemetrySpec | None:
     """Parse ``SHARDSCALE_TELEMETRY`` from the environment (``None``: unset or off)."""
     return parse_spec(os.environ.get(ENV, ""))
+
+
+def observer_kinds() -> dict[str, str | None]:
+    """Each observer the variable can name, and why it cannot run here (``None``: it can)."""
+    from shardscale.telemetry._tensorboard import tensorboard_unavailable_reason
+    from shardscale.telemetry._wandb import wandb_unavailable_reason
+
+    return {
+        "jsonl": None,
+        "tensorboard": tensorboard_unavailable_reason(),
+        "wandb": wandb_unavailable_reason(),
+    }

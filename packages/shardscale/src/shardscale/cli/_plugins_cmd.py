@@ -1,4 +1,4 @@
-"""``shardscale plugins``: every registered backend, middleware, adapter and kernels, and whether it works here."""
+"""``shardscale plugins``: every registered backend, middleware, adapter, kernels and observer, and whether it works here."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def add_plugins_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def collect_plugins() -> dict[str, Any]:
-    """The listing as plain data: ``items``, ``plugins`` (modules) and ``failures``."""
+    """The listing as plain data: ``items``, ``plugins`` (modules), ``observers`` and ``failures``."""
     from shardscale.core import get_registry
 
     reg = get_registry()
@@ -51,6 +51,7 @@ def collect_plugins() -> dict[str, Any]:
             }
             for p in reg.plugins()
         ],
+        "observers": _observers(reg.plugins()),
         "failures": [
             {
                 "name": f.name,
@@ -62,6 +63,33 @@ def collect_plugins() -> dict[str, Any]:
             for f in reg.failures()
         ],
     }
+
+
+def _observers(plugins: list[Any]) -> list[dict[str, Any]]:
+    # Observers implement shardscale_on_step and have no item names of their own; the
+    # telemetry distribution's plugin is listed as the observers it can write to.
+    out: list[dict[str, Any]] = []
+    for p in plugins:
+        if "shardscale_on_step" not in p.hooks:
+            continue
+        kinds: dict[str, str | None] = {p.name: None}
+        note: str | None = None
+        if p.distribution == "shardscale-telemetry":
+            try:
+                from shardscale.telemetry import ENV, observer_kinds
+            except ImportError:
+                pass
+            else:
+                kinds = observer_kinds()
+                note = f"off until {ENV} or telemetry.enable()"
+        for name, reason in kinds.items():
+            out.append({
+                "name": name, "plugin": p.name, "distribution": p.distribution,
+                "version": p.version, "usable": reason is None,
+                "reason": reason,
+                "note": note,
+            })  # fmt: skip
+    return out
 
 
 def run_plugins(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
@@ -83,6 +111,17 @@ def run_plugins(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
             "yes" if it["usable"] else f"no: {it['reason']}",
         )
         for it in data["items"]
+    ] + [
+        (
+            ob["name"],
+            "observer",
+            ob["distribution"],
+            ob["version"] or "-",
+            ("yes" + (f" ({ob['note']})" if ob["note"] else ""))
+            if ob["usable"]
+            else f"no: {ob['reason']}",
+        )
+        for ob in data["observers"]
     ]
     print_table(
         "shardscale plugins",
