@@ -106,7 +106,7 @@ def test_append(loop: Any, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("call", "needle"),
     [
-        (lambda: telemetry.enable(), "at least one observer"),
+        (telemetry.enable, "at least one observer"),
         (lambda: telemetry.enable(JsonlObserver("a"), flush_every=0), "flush_every"),
         (lambda: telemetry.enable(JsonlObserver("a"), flush_every=True), "flush_every"),
         (lambda: telemetry.enable(JsonlObserver("a"), ranks=-1), "ranks must name"),

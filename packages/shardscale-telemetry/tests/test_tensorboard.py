@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from shardscale import telemetry
-from shardscale.telemetry import TENSORBOARD_TAGS, TensorBoardObserver, TelemetryConfigError
+from shardscale.telemetry import TENSORBOARD_TAGS, TelemetryConfigError, TensorBoardObserver
 
 pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
 
-from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import (
     EventAccumulator,
 )
 

@@ -19,6 +19,7 @@ at interpreter exit, the buffer is read with one host read per device (see
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
 import time
@@ -196,10 +197,8 @@ class Telemetry:
                 RuntimeWarning,
                 stacklevel=2,
             )
-            try:
-                obs.close()
-            except Exception:
-                pass
+            with contextlib.suppress(Exception):
+                obs.close()  # best effort: it already failed once
 
     def close(self) -> None:
         """Flush what is buffered, close every observer and stop observing (idempotent)."""

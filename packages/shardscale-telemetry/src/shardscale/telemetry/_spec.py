@@ -148,8 +148,8 @@ def parse_spec(text: str) -> TelemetrySpec | None:
                 )
     flush_every = options.get("every", DEFAULT_FLUSH_EVERY)
     assert isinstance(flush_every, int)
-    assert ranks == "all" or isinstance(ranks, int)
-    return TelemetrySpec(tuple(sinks), flush_every=flush_every, ranks=ranks)
+    chosen: Literal["all"] | int = "all" if ranks == "all" else int(ranks)
+    return TelemetrySpec(tuple(sinks), flush_every=flush_every, ranks=chosen)
 
 
 def _ranked(target: str) -> str:
