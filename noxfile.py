@@ -30,8 +30,11 @@ DISTS = [
     "shardscale-collectives",
     "shardscale-clip",
     "shardscale-fsdp",
+    "shardscale-telemetry",
     "shardscale",
 ]
+# Extras the tests session installs with their distribution (the observers' own libraries).
+TEST_EXTRAS = {"shardscale-telemetry": "tensorboard,wandb"}
 # numpy: torch's own test-side tools (CommDebugMode, all_gather_object, DCP) import it.
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "numpy"]
 # Third-party-style plugin distributions that only the tests install.
@@ -52,7 +55,9 @@ def _package_dirs() -> list[str]:
 def _run_tests(session: nox.Session, torch_version: str) -> None:
     _install_torch(session, torch_version)
     session.install(*TEST_DEPS)
-    session.install(*_package_dirs(), *(str(p) for p in TEST_PLUGINS))
+    dirs = [d + (f"[{TEST_EXTRAS[Path(d).name]}]" if Path(d).name in TEST_EXTRAS else "")
+            for d in _package_dirs()]  # fmt: skip
+    session.install(*dirs, *(str(p) for p in TEST_PLUGINS))
     # shardscale's "ui" extra: the demo tests check the plot (the isolated session runs without it).
     session.install("rich>=13", "matplotlib>=3.7")
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")

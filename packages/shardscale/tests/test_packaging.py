@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 DISTS = ["shardscale-core", "shardscale-collectives", "shardscale-clip", "shardscale-fsdp",
-         "shardscale"]  # fmt: skip
+         "shardscale-telemetry", "shardscale"]  # fmt: skip
 COPYRIGHT = "Copyright (c) 2026, the shardscale authors"
 CLASSIFIERS = {
     "Development Status :: 3 - Alpha",
