@@ -208,7 +208,6 @@ class _HostReads(TorchDispatchMode):
 
 def _fused_loop(steps: int) -> list[int]:
     # A fused optimizer: the scaler's own step makes no host read, so any read is telemetry's.
-    from shardscale.clip import unscale_and_clip_
     from shardscale.core import ShardedGradScaler
 
     torch.manual_seed(0)
@@ -220,7 +219,7 @@ def _fused_loop(steps: int) -> list[int]:
         opt.zero_grad(set_to_none=True)
         scaler.scale(model(torch.randn(2, 6)).sum()).backward()
         with _HostReads() as reads:
-            unscale_and_clip_(scaler, opt, max_norm=1.0)
+            scaler.unscale_(opt, max_norm=1.0)
             scaler.step(opt)
             scaler.update()
         per_step.append(reads.count if step else 0)  # step 0: the one-time chain check
