@@ -32,7 +32,13 @@ DISTS = [
     "shardscale-fsdp",
     "shardscale-telemetry",
     "shardscale",
+    "shardscale-lightning",
+    "shardscale-accelerate",
 ]
+# The trainer integrations and the framework releases their tests run (each dist declares a
+# range around its pin). About 16-31 s to install both into a venv that has torch.
+FRAMEWORK_DISTS = ["shardscale-lightning", "shardscale-accelerate"]
+FRAMEWORKS = ["lightning==2.6.6", "accelerate==1.15.0"]
 # Extras the tests session installs with their distribution (the observers' own libraries).
 TEST_EXTRAS = {"shardscale-telemetry": "tensorboard,wandb"}
 # numpy: torch's own test-side tools (CommDebugMode, all_gather_object, DCP) import it.
@@ -48,16 +54,26 @@ def _install_torch(session: nox.Session, version: str) -> None:
     session.install(f"torch=={version}")
 
 
-def _package_dirs() -> list[str]:
-    return [str(ROOT / "packages" / d) for d in DISTS]
+def _package_dirs(*, frameworks: bool = True) -> list[str]:
+    """Every distribution's directory; without the trainer integrations when ``frameworks`` is False."""
+    return [str(ROOT / "packages" / d) for d in DISTS if frameworks or d not in FRAMEWORK_DISTS]
+
+
+def _with_test_extras(dirs: list[str]) -> list[str]:
+    return [d + (f"[{TEST_EXTRAS[Path(d).name]}]" if Path(d).name in TEST_EXTRAS else "")
+            for d in dirs]  # fmt: skip
 
 
 def _run_tests(session: nox.Session, torch_version: str) -> None:
     _install_torch(session, torch_version)
     session.install(*TEST_DEPS)
-    dirs = [d + (f"[{TEST_EXTRAS[Path(d).name]}]" if Path(d).name in TEST_EXTRAS else "")
-            for d in _package_dirs()]  # fmt: skip
-    session.install(*dirs, *(str(p) for p in TEST_PLUGINS))
+    # torch pinned in the same command: lightning/accelerate must not pull another torch.
+    session.install(
+        f"torch=={torch_version}",
+        *_with_test_extras(_package_dirs()),
+        *(str(p) for p in TEST_PLUGINS),
+        *FRAMEWORKS,
+    )
     # shardscale's "ui" extra: the demo tests check the plot (the isolated session runs without it).
     session.install("rich>=13", "matplotlib>=3.7")
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")
@@ -92,7 +108,7 @@ def bench(session: nox.Session) -> None:
     """
     _install_torch(session, os.environ.get("SHARDSCALE_TORCH", DEFAULT_TORCH))
     # The shardscale distribution carries the benchmark; its ui extra draws the chart.
-    others = [d for d in _package_dirs() if not d.endswith(f"{os.sep}shardscale")]
+    others = [d for d in _package_dirs(frameworks=False) if not d.endswith(f"{os.sep}shardscale")]
     session.install(*others, str(ROOT / "packages" / "shardscale") + "[ui]")
     args = list(session.posargs)
     if not any(a == "--out" or a.startswith("--out=") for a in args):
@@ -106,7 +122,7 @@ def stress(session: nox.Session) -> None:
     random scaler call sequences (the tests session runs short versions of both)."""
     _install_torch(session, os.environ.get("SHARDSCALE_TORCH", DEFAULT_TORCH))
     session.install(*TEST_DEPS)
-    session.install(*_package_dirs())
+    session.install(*_package_dirs(frameworks=False))
     env = {
         "SHARDSCALE_FUZZ_STEPS": os.environ.get("SHARDSCALE_FUZZ_STEPS", "400"),
         "SHARDSCALE_HYPOTHESIS_EXAMPLES": os.environ.get("SHARDSCALE_HYPOTHESIS_EXAMPLES", "3000"),
@@ -127,15 +143,14 @@ def gpu(session: nox.Session) -> None:
     Never part of CI: without CUDA every test it selects skips.
     """
     session.install(*TEST_DEPS)
-    session.install(*_package_dirs())
+    session.install(*_package_dirs(frameworks=False))
     session.run(
         "python",
         "-c",
         "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())",
     )
-    paths = [str(ROOT / "packages" / d / "tests") for d in DISTS] + [
-        str(ROOT / "integration_tests")
-    ]
+    paths = [str(ROOT / "packages" / d / "tests") for d in DISTS if d not in FRAMEWORK_DISTS]
+    paths.append(str(ROOT / "integration_tests"))
     session.run("pytest", "-m", "gpu", *paths, *session.posargs)
 
 
@@ -152,6 +167,7 @@ def typecheck(session: nox.Session) -> None:
     """mypy --strict over every package's sources."""
     _install_torch(session, DEFAULT_TORCH)
     session.install("mypy>=1.10", "pluggy>=1.3", "rich", "matplotlib")
+    session.install(f"torch=={DEFAULT_TORCH}", *FRAMEWORKS)  # the integrations' base classes
     session.run("mypy", *(str(ROOT / "packages" / d / "src") for d in DISTS))
 
 
@@ -160,7 +176,7 @@ def docs(session: nox.Session) -> None:
     """Build the docs site (Sphinx + MyST, API from docstrings) into docs/_build/html; warnings fail."""
     _install_torch(session, DEFAULT_TORCH)
     session.install("sphinx>=8,<10", "myst-parser>=4")
-    session.install(*_package_dirs())
+    session.install(f"torch=={DEFAULT_TORCH}", *_package_dirs(), *FRAMEWORKS)
     out = ROOT / "docs" / "_build" / "html"
     args = ["-W", "--keep-going", "-b", "html", str(ROOT / "docs"), str(out)]
     session.run("sphinx-build", *args, *session.posargs)
@@ -191,6 +207,7 @@ def isolated(session: nox.Session, dist: str) -> None:
     _build_wheels(session)
     _install_torch(session, DEFAULT_TORCH)
     session.install(*TEST_DEPS)
-    session.install("--find-links", str(WHEELHOUSE), dist)
+    # torch pinned in the same command: a framework dependency must not pull another torch.
+    session.install(f"torch=={DEFAULT_TORCH}", "--find-links", str(WHEELHOUSE), dist)
     session.run("python", "-m", "pip", "list", silent=False)
     session.run("pytest", str(ROOT / "packages" / dist / "tests"), *session.posargs)

@@ -111,14 +111,15 @@ def test_after_unscale_or_step_is_refused() -> None:
         unscale_and_clip_(scaler, opt, 1.0)
 
 
-def test_before_scale_is_refused() -> None:
+def test_before_scale_uses_init_scale() -> None:
+    """A scaler that never scaled a loss (a pipeline stage) unscales by its init_scale."""
     model = torch.nn.Linear(3, 1)
-    model(torch.randn(2, 3)).sum().backward()
+    (model(torch.randn(2, 3)).sum() * 8.0).backward()  # gradients that carry a scale of 8
+    expected = [p.grad.clone() / 8.0 for p in model.parameters()]  # type: ignore[union-attr]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    before = snapshot(model)
-    with pytest.raises(RuntimeError, match=r"scaler.scale\(loss\)"):
-        unscale_and_clip_(ShardedGradScaler("cpu", backend="local"), opt, 1.0)
-    assert_unchanged(model, before)
+    unscale_and_clip_(ShardedGradScaler("cpu", init_scale=8.0, backend="local"), opt, math.inf)
+    for p, e in zip(model.parameters(), expected, strict=True):
+        assert torch.equal(p.grad, e)  # dividing by a power of two is exact
 
 
 def test_wrong_objects_name_the_fix() -> None:

@@ -129,3 +129,18 @@ def test_step_records_reach_plugins_after_update() -> None:
     # unregistered: no more records
     _drive(ShardedGradScaler("cpu", backend="local"), set(), 1)
     assert len(recorder.records) == 3
+
+
+def test_scale_tensor_is_the_live_scale_without_a_read() -> None:
+    scaler = ShardedGradScaler("cpu", init_scale=64.0)
+    assert scaler.scale_tensor is None  # before the first scale()
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler.scale((w * math.inf).sum()).backward()
+    live = scaler.scale_tensor
+    assert live is not None and live.dtype == torch.float32 and live.shape == ()
+    scaler.step(opt)
+    scaler.update()
+    # The same tensor, updated in place: torch's backoff on an overflow halves it.
+    assert scaler.scale_tensor is live and float(live) == 32.0 == scaler.get_scale()
+    assert ShardedGradScaler("cpu", enabled=False).scale_tensor is None

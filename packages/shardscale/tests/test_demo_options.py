@@ -74,6 +74,22 @@ CASES: list[Bad] = [
     Bad(
         "mesh-tp-splits-heads", ("--mesh", "1x2", "--heads", "1"), "--mesh", "--heads 2", ("demo",)
     ),
+    Bad("mesh-pp-garbage", ("--mesh", "pp"), "--mesh", "'pp2,dp2'"),
+    Bad("mesh-pp-twice", ("--mesh", "pp2,pp2"), "--mesh", "'pp2'"),
+    Bad(
+        "mesh-pp-more-stages-than-blocks",
+        ("--mesh", "pp4", "--layers", "2"),
+        "--mesh",
+        "--layers 4",
+        ("demo",),
+    ),
+    Bad(
+        "mesh-pp-batch-uneven",
+        ("--mesh", "pp2", "--batch-size", "3"),
+        "--mesh",
+        "--batch-size 2",
+        ("demo",),
+    ),
     Bad("backend-unknown", ("--backend", "carrier-pigeon"), "--backend", "shardscale plugins"),
     Bad("backend-only-middleware", ("--backend", "counting"), "--backend", "shardscale plugins"),
     Bad("backend-empty", ("--backend", ""), "--backend", "--backend c10d"),
@@ -201,3 +217,16 @@ def test_sizes_depend_on_the_device() -> None:
     )
     assert (explicit.d_model, explicit.steps, explicit.n_layers) == (32, 7, cuda.n_layers)
     assert math.isinf(config_from_args(parser.parse_args(["--max-norm", "inf"])).max_norm)
+
+
+@pytest.mark.parametrize(
+    ("spec", "shape"),
+    [("4", (4, 1, 1)), ("2x2", (2, 2, 1)), ("pp2", (1, 1, 2)), ("pp2,dp2", (2, 1, 2)),
+     ("dp2,pp2", (2, 1, 2)), (" PP4 ", (1, 1, 4))],
+)  # fmt: skip
+def test_mesh_shapes_parse(spec: str, shape: tuple[int, int, int]) -> None:
+    from shardscale.cli._distributed import mesh_shape
+
+    got = mesh_shape(spec)
+    assert (got.dp, got.tp, got.pp) == shape
+    assert got.size == shape[0] * shape[1] * shape[2]

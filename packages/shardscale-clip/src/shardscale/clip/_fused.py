@@ -72,7 +72,7 @@ def unscale_and_clip_(
 
     Args:
         scaler: a :class:`shardscale.core.ShardedGradScaler` (its process group,
-            backend, kernels and ``distinct_dims`` are used).
+            backend, kernels, ``distinct_dims`` and ``distinct_params`` are used).
         optimizer: the optimizer whose parameters' gradients are clipped.
         max_norm: a number > 0; ``float('inf')`` only unscales and measures.
         norm_type: any p > 0, or ``float('inf')``.
@@ -101,13 +101,15 @@ def unscale_and_clip_(
         )
     if not scaler.is_enabled():
         # Nothing is scaled: this is plain clipping with the scaler's group and backend.
+        params = list(optimizer_params(optimizer))
         return clip_grad_norm_(
-            list(optimizer_params(optimizer)),
+            params,
             limit,
             p,
             process_group=config.group,
             backend=config.backend,
             distinct_dims=config.distinct_dims,
+            distinct_params=[q for q in params if id(q) in config.distinct_params],
             kernels=name,
             registry=config.registry,
         )

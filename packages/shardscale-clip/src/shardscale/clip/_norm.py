@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardscale.clip._validate import check_max_norm, check_norm_type, kernels_name
-from shardscale.core import Apply, CollectiveBackend, Registry, StepConfig, get_registry, run_step
+from shardscale.core import (
+    Apply,
+    CollectiveBackend,
+    Registry,
+    StepConfig,
+    distinct_param_ids,
+    get_registry,
+    run_step,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -51,6 +59,7 @@ def _config(
     process_group: ProcessGroup | None,
     backend: str | CollectiveBackend | None,
     distinct_dims: Iterable[str],
+    distinct_params: Iterable[torch.Tensor],
     kernels: str | None,
     registry: Registry | None,
 ) -> StepConfig:
@@ -66,6 +75,7 @@ def _config(
         group=process_group,
         kernels=kernels_name(foreach, kernels),
         distinct_dims=frozenset(distinct_dims),
+        distinct_params=distinct_param_ids(distinct_params),
     )
 
 
@@ -91,6 +101,7 @@ def get_total_norm(
     process_group: ProcessGroup | None = None,
     backend: str | CollectiveBackend | None = None,
     distinct_dims: Iterable[str] = (),
+    distinct_params: Iterable[torch.Tensor] = (),
     kernels: str | None = None,
     registry: Registry | None = None,
 ) -> torch.Tensor:
@@ -123,6 +134,9 @@ def get_total_norm(
             object; default ``$SHARDSCALE_BACKEND`` or automatic.
         distinct_dims: mesh dimension names whose coordinates hold different
             tensors (pipeline stages); ``"*"`` for plain tensors.
+        distinct_params: plain tensors among ``tensors`` that this rank holds
+            its own of while the other plain ones are replicated (experts
+            placed on this rank); each rank passes its own (docs/moe.md).
         kernels: a stats-kernels name, overriding the automatic choice.
         registry: the plugin registry (default: the process-wide one).
     """
@@ -133,6 +147,7 @@ def get_total_norm(
         process_group=process_group,
         backend=backend,
         distinct_dims=distinct_dims,
+        distinct_params=distinct_params,
         kernels=kernels,
         registry=registry,
     )
@@ -158,6 +173,7 @@ def clip_grad_norm_(
     process_group: ProcessGroup | None = None,
     backend: str | CollectiveBackend | None = None,
     distinct_dims: Iterable[str] = (),
+    distinct_params: Iterable[torch.Tensor] = (),
     kernels: str | None = None,
     registry: Registry | None = None,
 ) -> torch.Tensor:
@@ -182,6 +198,7 @@ def clip_grad_norm_(
         process_group=process_group,
         backend=backend,
         distinct_dims=distinct_dims,
+        distinct_params=distinct_params,
         kernels=kernels,
         registry=registry,
     )

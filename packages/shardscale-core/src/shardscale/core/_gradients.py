@@ -101,7 +101,8 @@ def collect_grads(
                 grad = grad.coalesce()
                 if not as_grads:
                     param.grad = grad
-            local, counts = grad._values(), ctx.rank == 0 or "*" in ctx.distinct_dims
+            local = grad._values()
+            counts = ctx.rank == 0 or "*" in ctx.distinct_dims or id(param) in ctx.distinct_params
         else:
             shard = registry.adapter_for(param).describe(param, grad, ctx)
             local, counts = shard.local, shard.counts

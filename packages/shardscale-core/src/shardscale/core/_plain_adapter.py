@@ -23,7 +23,9 @@ class PlainTensorAdapter:
     is what DDP and a single process give), so only group rank 0 counts it
     towards sums. Parameters of pipeline stages held in plain tensors are
     different on each rank: declare that with ``distinct_dims={"*"}`` (every
-    rank holds its own) on the scaler or the clip call.
+    rank holds its own) on the scaler or the clip call. When only some plain
+    parameters differ per rank (experts placed on this rank beside replicated
+    dense layers), name those in ``distinct_params``.
     """
 
     name: ClassVar[str] = "plain"
@@ -43,7 +45,6 @@ class PlainTensorAdapter:
         )
 
     def describe(self, param: torch.Tensor, grad: torch.Tensor, ctx: AdapterContext) -> GradShard:
-        """The grad itself; counted on group rank 0 unless ranks are declared distinct."""
-        del param
-        counts = ctx.rank == 0 or "*" in ctx.distinct_dims
+        """The grad itself; counted on group rank 0 unless declared distinct on every rank."""
+        counts = ctx.rank == 0 or "*" in ctx.distinct_dims or id(param) in ctx.distinct_params
         return GradShard(local=grad, counts=counts, ranks=None)

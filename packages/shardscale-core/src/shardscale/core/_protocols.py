@@ -131,10 +131,14 @@ class AdapterContext:
     call's process group; ``None`` for the default group or no distributed).
     ``distinct_dims`` names mesh dimensions whose coordinates hold *different*
     parameters (pipeline stages): adapters never treat them as replicas.
+    ``distinct_params`` holds the ``id()`` of plain-tensor parameters that
+    this rank holds its own of (experts placed on this rank): they count on
+    every rank that has them.
     """
 
     group: ProcessGroup | None = None
     distinct_dims: frozenset[str] = frozenset()
+    distinct_params: frozenset[int] = frozenset()
     rank: int = 0
     world_size: int = 1
 

@@ -57,6 +57,7 @@ from shardscale.core._step_engine import (
     PrecomputedNorms,
     StepConfig,
     StepResult,
+    distinct_param_ids,
     poll_errors,
     run_step,
 )
@@ -164,6 +165,13 @@ class ShardedGradScaler:
         distinct_dims: mesh dimension names whose coordinates hold different
             parameters (pipeline stages); ``"*"`` marks plain tensors as distinct
             on every rank. Used by clipping to avoid double counting.
+        distinct_params: plain-tensor parameters that this rank holds its own
+            of while the other plain parameters are replicated: the experts
+            placed on this rank in a plain-tensor expert-parallel model (each
+            rank passes its own). They count towards the norm on every rank;
+            DTensor experts need nothing here (docs/moe.md). Not part of
+            ``state_dict``; a pickled or deep-copied scaler refers to the
+            copies of these parameters only when its model is copied with it.
         registry: the plugin registry (default: the process-wide one).
     """
 
@@ -180,6 +188,8 @@ class ShardedGradScaler:
     _max_scale: float | None
     process_group: ProcessGroup | None
     _distinct_dims: frozenset[str]
+    _distinct_params: frozenset[int]
+    _distinct_refs: tuple[torch.Tensor, ...]
     _registry: Registry | None
     _kernels_name: str | None
     _backend_spec: str | CollectiveBackend | None
@@ -211,6 +221,7 @@ class ShardedGradScaler:
         min_scale: float | None = None,
         max_scale: float | None = None,
         distinct_dims: Iterable[str] = (),
+        distinct_params: Iterable[torch.Tensor] = (),
         registry: Registry | None = None,
     ) -> None:
         if not isinstance(device, str):
@@ -247,6 +258,14 @@ class ShardedGradScaler:
                 f"{distinct_dims!r}; write e.g. distinct_dims=({distinct_dims!r},)"
             )
         self._distinct_dims = frozenset(distinct_dims)
+        if isinstance(distinct_params, Iterable) and not isinstance(
+            distinct_params, (torch.Tensor, str, bytes)
+        ):
+            distinct_params = tuple(distinct_params)  # an iterator is read once, here
+        self._distinct_params = distinct_param_ids(distinct_params)
+        # Kept alive so that no other tensor can reuse a declared parameter's id(), and so that
+        # a copy of the scaler together with its model (pickle, deepcopy) finds the copies.
+        self._distinct_refs = tuple(distinct_params)  # type: ignore[arg-type]
         self._registry = registry
         self._kernels_name = kernels
         self._backend_spec = backend
@@ -298,6 +317,7 @@ class ShardedGradScaler:
             group=self.process_group,
             kernels=self._kernels_name,
             distinct_dims=self._distinct_dims,
+            distinct_params=self._distinct_params,
         )
 
     def _adapter_context(self) -> AdapterContext:
@@ -307,9 +327,36 @@ class ShardedGradScaler:
         if self._scale is None or self._growth_tracker is None:
             raise ScalerStateError(
                 f"{funcname}() was called before the scale exists: call "
-                "scaler.scale(loss).backward() earlier in the iteration."
+                "scaler.scale(loss).backward() (or scaler.step(optimizer)) earlier in the "
+                "iteration."
             )
         return self._scale, self._growth_tracker
+
+    def _ensure_scale(self, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scale, created from ``init_scale`` if this scaler never scaled a loss.
+
+        [Note: a stage that never calls scale()]
+        In a pipeline only the last stage computes (and scales) the loss; the
+        other stages' gradients arrive already scaled through the pipeline's
+        sends. torch's scalers raise there (``_scale is None``). Here the scale
+        is created on first need from ``init_scale`` -- the number every rank
+        was built with -- so it is identical on every stage from the first
+        step, and every later value follows from the same reduced decisions.
+        """
+        if self._scale is None or self._growth_tracker is None:
+            self._lazy_init_scale_growth_tracker(self._scale_device(optimizer))
+        assert self._scale is not None and self._growth_tracker is not None
+        return self._scale, self._growth_tracker
+
+    def _scale_device(self, optimizer: torch.optim.Optimizer) -> torch.device:
+        # Where scale() would have put it: beside the gradients of this scaler's device type.
+        for param in optimizer_params(optimizer):
+            grad = param.grad
+            if grad is not None and grad.device.type == self._device:
+                return grad.device
+        if self._device == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self._device)
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
@@ -436,8 +483,8 @@ class ShardedGradScaler:
         if not self._enabled:
             return None
         what = "unscale_()" if max_norm is None else "unscale_and_clip_()"
-        self._check_scale_growth_tracker(what.rstrip("()"))
         state = self._check_can_unscale(optimizer, what)
+        self._ensure_scale(optimizer)
         if max_norm is None:
             # Lazy: the flag is awaited at step(), so a coalescing middleware can merge several
             # optimizers' reductions; a peer's error surfaces there too, the grads being
@@ -486,8 +533,8 @@ class ShardedGradScaler:
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Any]:
         """torch's private helper: check (without unscaling) and record the reduced flags."""
-        self._check_scale_growth_tracker("_check_inf_per_device")
         state = self._opt_state(optimizer)
+        self._ensure_scale(optimizer)
         result = self._run(optimizer, Apply.NOTHING)
         state["found_inf_per_device"] = {result.found_inf.device: result.found_inf}
         found: dict[torch.device, Any] = state["found_inf_per_device"]
@@ -513,8 +560,8 @@ class ShardedGradScaler:
                 "step() got a closure, which gradient scaling does not support: compute the "
                 "loss, call scaler.scale(loss).backward(), then scaler.step(optimizer)."
             )
-        scale, _ = self._check_scale_growth_tracker("step")
         state = self._opt_state(optimizer)
+        scale, _ = self._ensure_scale(optimizer)
         if state.stage is OptState.STEPPED:
             raise RuntimeError(
                 "step() was already called for this optimizer since the last update(); call "
@@ -775,6 +822,16 @@ class ShardedGradScaler:
         return int(self._hysteresis_tracker.item())
 
     @property
+    def scale_tensor(self) -> torch.Tensor | None:
+        """The live scale: a 0-dim float32 tensor on the scale's device, read without a host sync.
+
+        What :meth:`get_scale` returns as a float, for loggers that keep values on
+        the device (Lightning's ``self.log``). ``None`` before the first
+        :meth:`scale` and when disabled. Treat it as read-only.
+        """
+        return self._scale if self._enabled else None
+
+    @property
     def last_step_skipped(self) -> torch.Tensor | None:
         """Whether the last ``update()`` saw an overflow: a 0-dim bool tensor on the scale's device.
 
@@ -892,3 +949,5 @@ class ShardedGradScaler:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        # id()s do not survive a copy: take them again from the (copied) declared parameters.
+        self._distinct_params = frozenset(id(p) for p in self._distinct_refs)

@@ -92,6 +92,7 @@ __all__ = [
     "StepConfig",
     "StepError",
     "StepResult",
+    "distinct_param_ids",
     "poll_errors",
     "read_tensor_norm",
     "run_step",
@@ -146,7 +147,9 @@ class StepConfig:
     the adapters and kernels (``kernels`` names one, ``None`` picks the best
     per device); ``distinct_dims`` names mesh dims whose coordinates hold
     different parameters (pipeline stages, expert groups; ``"*"``: every rank
-    holds its own plain tensors).
+    holds its own plain tensors); ``distinct_params`` the ``id()`` of plain
+    tensors this rank holds its own of while the other plain tensors are
+    replicated (experts placed on this rank; see :func:`distinct_param_ids`).
     """
 
     backend: CollectiveBackend
@@ -154,6 +157,7 @@ class StepConfig:
     group: ProcessGroup | None = None
     kernels: str | None = None
     distinct_dims: frozenset[str] = frozenset()
+    distinct_params: frozenset[int] = frozenset()
     #: Check, beside the chain, that every rank uses the same backend chain before this step
     #: (a scaler asks once, on its first step: every rank's scaler reaches it together).
     verify_chain: bool = False
@@ -163,6 +167,7 @@ class StepConfig:
         return AdapterContext(
             group=self.group,
             distinct_dims=self.distinct_dims,
+            distinct_params=self.distinct_params,
             rank=self.backend.rank(self.group),
             world_size=self.backend.world_size(self.group),
         )
@@ -438,6 +443,7 @@ def _collect(
         )
         _check_devices(buckets, scale, expect_device)
         _check_distinct_dims(buckets, config.distinct_dims)
+        _check_distinct_params(buckets, config.distinct_params)
     except Exception as exc:
         return _Local(buckets=GradBuckets(), error=exc, code=_error_code(exc))
     return _Local(buckets=buckets)
@@ -502,6 +508,43 @@ def _check_distinct_dims(buckets: GradBuckets, distinct: frozenset[str]) -> None
             "(init_device_mesh(..., mesh_dim_names=...)) and pass those names, or '*' for "
             "plain tensors held differently on every rank"
         )
+
+
+def distinct_param_ids(
+    params: Iterable[torch.Tensor], *, name: str = "distinct_params"
+) -> frozenset[int]:
+    """The ``id()`` of each tensor of ``params``, for ``StepConfig.distinct_params``.
+
+    Raises ``TypeError`` (before any collective: arguments are checked where
+    they are given) for a single tensor, a string or a non-tensor element.
+    """
+    if isinstance(params, (torch.Tensor, str, bytes)) or not isinstance(params, Iterable):
+        raise TypeError(
+            f"{name} takes an iterable of parameters (e.g. list(experts.parameters())), got "
+            f"{type(params).__name__}; wrap a single parameter in a list"
+        )
+    ids = []
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(
+                f"{name} takes parameters (tensors), got a {type(p).__name__}; pass "
+                "list(module.parameters()) of the modules this rank holds its own copy of"
+            )
+        ids.append(id(p))
+    return frozenset(ids)
+
+
+def _check_distinct_params(buckets: GradBuckets, distinct: frozenset[int]) -> None:
+    if not distinct:
+        return
+    for param in buckets.params():
+        if id(param) in distinct and type(param) not in (torch.Tensor, torch.nn.Parameter):
+            raise ValueError(
+                f"distinct_params holds a {type(param).__name__} parameter of shape "
+                f"{tuple(param.shape)}; it is for plain tensors only. A DTensor already says "
+                "which ranks hold which part through its mesh: put the mesh dim whose "
+                "coordinates hold different parameters in distinct_dims instead"
+            )
 
 
 # -- read ----------------------------------------------------------------------------------------

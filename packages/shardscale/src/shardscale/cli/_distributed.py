@@ -38,17 +38,20 @@ LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 @dataclass(frozen=True, slots=True)
 class MeshShape:
-    """Data-parallel (FSDP) size times tensor-parallel size."""
+    """Data-parallel (FSDP) size times tensor-parallel size, times pipeline stages."""
 
     dp: int
     tp: int = 1
+    pp: int = 1
 
     @property
     def size(self) -> int:
         """Number of ranks the mesh needs."""
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
 
     def __str__(self) -> str:
+        if self.pp > 1:
+            return f"pp{self.pp}" + (f",dp{self.dp}" if self.dp > 1 else "")
         return f"{self.dp}x{self.tp}" if self.tp > 1 else str(self.dp)
 
 
@@ -70,24 +73,49 @@ class DistContext:
         return int(self.mesh["dp"].get_local_rank())
 
     @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (0 without pipeline parallelism)."""
+        return int(self.mesh["pp"].get_local_rank()) if self.shape.pp > 1 else 0
+
+    @property
     def is_main(self) -> bool:
         """Whether this is global rank 0 (the one that reports)."""
         return self.rank == 0
 
 
+_MESH_HELP = (
+    "write DP (e.g. '2') for FSDP only, DPxTP (e.g. '2x2') for FSDP over DP ranks with tensor "
+    "parallelism over TP ranks, or ppN[,dpM] (e.g. 'pp2' or 'pp2,dp2') for N pipeline stages, "
+    "each FSDP-sharded over M ranks"
+)
+
+
 def mesh_shape(spec: str) -> MeshShape:
-    """Parse ``"2x2"`` (FSDP 2 x TP 2) or ``"4"`` (FSDP 4) without checking it against a world size."""
-    parts = spec.strip().lower().replace("*", "x").split("x")
+    """Parse ``"2x2"`` (FSDP 2 x TP 2), ``"4"`` (FSDP 4) or ``"pp2,dp2"`` (2 stages x FSDP 2).
+
+    Not checked against a world size (see :func:`parse_mesh`).
+    """
+    text = spec.strip().lower().replace(" ", "")
+    if text.startswith(("pp", "dp")):
+        return _named_mesh(spec, text)
+    parts = text.replace("*", "x").split("x")
     try:
         sizes = [int(p) for p in parts]
     except ValueError:
         sizes = []
     if len(sizes) not in (1, 2) or any(s < 1 for s in sizes):
-        raise ValueError(
-            f"--mesh {spec!r} is not a mesh shape: write DP (e.g. '2') for FSDP only, or DPxTP "
-            "(e.g. '2x2') for FSDP over DP ranks with tensor parallelism over TP ranks"
-        )
+        raise ValueError(f"--mesh {spec!r} is not a mesh shape: {_MESH_HELP}")
     return MeshShape(*sizes)
+
+
+def _named_mesh(spec: str, text: str) -> MeshShape:
+    sizes: dict[str, int] = {}
+    for part in text.split(","):
+        name, digits = part[:2], part[2:]
+        if name not in ("pp", "dp") or not digits.isdigit() or int(digits) < 1 or name in sizes:
+            raise ValueError(f"--mesh {spec!r} is not a mesh shape: {_MESH_HELP}")
+        sizes[name] = int(digits)
+    return MeshShape(dp=sizes.get("dp", 1), pp=sizes.get("pp", 1))
 
 
 def parse_mesh(spec: str | None, world_size: int) -> MeshShape:
@@ -120,7 +148,9 @@ def _launcher_name() -> str:
 
 
 def init_distributed(*, device: str, mesh: str | None, timeout_s: float = 300.0) -> DistContext:
-    """Join (or create) the default process group and build the ``("dp", "tp")`` device mesh.
+    """Join (or create) the default process group and build the device mesh.
+
+    The mesh is ``("dp", "tp")``, or ``("pp", "dp")`` with pipeline stages.
 
     ``device`` is ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU per local rank).
     """
@@ -171,7 +201,11 @@ def init_distributed(*, device: str, mesh: str | None, timeout_s: float = 300.0)
             timeout=timedelta(seconds=timeout_s),
             device_id=dev if dev.type == "cuda" else None,
         )
-    device_mesh = init_device_mesh(dev.type, (shape.dp, shape.tp), mesh_dim_names=("dp", "tp"))
+    if shape.pp > 1:
+        # Pipeline stages outermost: a stage's FSDP group is a row of consecutive ranks.
+        device_mesh = init_device_mesh(dev.type, (shape.pp, shape.dp), mesh_dim_names=("pp", "dp"))
+    else:
+        device_mesh = init_device_mesh(dev.type, (shape.dp, shape.tp), mesh_dim_names=("dp", "tp"))
     return DistContext(
         rank=rank,
         world_size=world_size,

@@ -206,10 +206,49 @@ def _plugin_checks(backend: str | None) -> Iterator[Finding]:
             )
 
 
+# Trainer integrations: (distribution, the framework it adapts). Checked only when installed.
+_INTEGRATIONS = (("shardscale-lightning", "lightning"), ("shardscale-accelerate", "accelerate"))
+
+
+def _integration_checks() -> Iterator[Finding]:
+    import importlib.metadata as md
+
+    for dist_name, framework in _INTEGRATIONS:
+        try:
+            version = md.version(dist_name)
+        except md.PackageNotFoundError:
+            continue
+        try:
+            framework_version = md.version(framework)
+        except md.PackageNotFoundError:
+            yield Finding(dist_name, "error", f"{dist_name} {version} is installed but "
+                          f"{framework} is not", f"pip install {dist_name} (it requires {framework})")  # fmt: skip
+            continue
+        try:  # packaging comes with both frameworks; without it, only the versions are shown
+            from packaging.requirements import Requirement
+        except ImportError:
+            specs = []
+        else:
+            specs = [
+                req.specifier
+                for raw in md.requires(dist_name) or []
+                if (req := Requirement(raw)).name == framework
+            ]
+        if specs and framework_version not in specs[0]:
+            yield Finding(dist_name, "warn", f"{framework} {framework_version} is outside the "
+                          f"range {dist_name} {version} was tested with ({specs[0]})",
+                          f"pip install '{framework}{specs[0]}'")  # fmt: skip
+            continue
+        yield Finding(
+            dist_name, "ok", f"{dist_name} {version} with {framework} {framework_version}"
+        )
+
+
 def run_checks(*, connect: bool = False, backend: str | None = None) -> list[Finding]:
     """Every check, in order."""
     findings = list(_torch_checks())
     findings += list(_plugin_checks(backend))
+    findings += list(_integration_checks())
     findings += list(_launch_checks(connect, backend))
     return findings
 

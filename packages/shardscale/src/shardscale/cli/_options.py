@@ -43,10 +43,21 @@ def check_mesh(spec: str | None, world_size: int, cfg: TrainConfig) -> MeshShape
     """The mesh fits the world size and tensor parallelism splits whole heads."""
     if spec is not None and not spec.strip():
         raise ValueError(
-            "--mesh is empty: write DP (e.g. '2') or DPxTP (e.g. '2x2'), or leave --mesh out "
-            "for FSDP over every rank"
+            "--mesh is empty: write DP (e.g. '2'), DPxTP (e.g. '2x2') or ppN[,dpM] (e.g. "
+            "'pp2'), or leave --mesh out for FSDP over every rank"
         )
     shape = parse_mesh(spec, world_size)
+    if shape.pp > 1 and cfg.n_layers < shape.pp:
+        raise ValueError(
+            f"--mesh {spec}: {shape.pp} pipeline stages need at least {shape.pp} transformer "
+            f"blocks, but --layers is {cfg.n_layers}; pass --layers {shape.pp} or fewer stages"
+        )
+    if shape.pp > 1 and cfg.batch_size % shape.pp:
+        raise ValueError(
+            f"--mesh {spec}: the pipeline splits each batch into {shape.pp} microbatches, but "
+            f"--batch-size {cfg.batch_size} does not divide evenly; pass --batch-size "
+            f"{shape.pp * max(1, cfg.batch_size // shape.pp)}"
+        )
     if cfg.n_heads % shape.tp:
         raise ValueError(
             f"--mesh {spec}: tensor parallelism over {shape.tp} ranks splits the {cfg.n_heads} "

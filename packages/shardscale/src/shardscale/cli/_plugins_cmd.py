@@ -129,6 +129,11 @@ def run_plugins(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
         headers=("name", "kind", "distribution", "version", "usable here"),
         stream=out,
     )
+    # Plugins with no hook (the trainer integrations) own no row above: name them here.
+    bare = [p for p in data["plugins"] if not p["hooks"]]
+    if bare:
+        names = ", ".join(f"{p['name']} ({p['distribution']} {p['version']})" for p in bare)
+        print(f"also installed, used from their frameworks: {names}", file=out)
     for f in data["failures"]:
         what = "blocked" if f["blocked"] else "FAILED to load"
         print(f"plugin {f['name']!r} ({f['distribution']} {f['version']}) {what}: {f['error']}",

@@ -371,7 +371,14 @@ def train(
     )
     model = TinyGPT(model_cfg).to(ctx.device)
     n_params = model.num_parameters()
-    shard_model(model, ctx)
+    pipe = None
+    if ctx.shape.pp > 1:  # see [Note: fp16 with pipeline stages]
+        from shardscale.cli._pipeline import Pipeline
+
+        pipe = Pipeline(model, ctx, batch_size=cfg.batch_size)
+        model = pipe.module  # type: ignore[assignment]  # this rank trains its stage only
+    else:
+        shard_model(model, ctx)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01
     )
@@ -380,6 +387,8 @@ def train(
         init_scale=cfg.init_scale,
         growth_interval=cfg.growth_interval,
         backend=cfg.backend,
+        # Pipeline stages hold different parameters: the norm sums them, never dedups.
+        distinct_dims=("pp",) if pipe is not None else (),
     )
     unscale_and_clip_ = _unscale_and_clip()
     dtype = PRECISIONS[cfg.precision]
@@ -403,8 +412,11 @@ def train(
                 group["lr"] = lr
             x, y = corpus.batch(data_gen, batch_size=cfg.batch_size, context=cfg.context)
             x, y = x.to(ctx.device), y.to(ctx.device)
-            loss = _loss(model, x, y, dtype)
-            scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+            if pipe is None:
+                loss = _loss(model, x, y, dtype)
+                scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+            else:
+                loss = pipe.step(x, y, scaler, dtype)
             unscale_and_clip_(scaler, optimizer, max_norm=cfg.max_norm)
             scaler.step(optimizer)
             scaler.update()  # the telemetry session flushes this step's row here
@@ -435,7 +447,13 @@ def train(
     backend_name = _chain_name(scaler.backend)
     if cfg.backend is None:
         backend_name += " (automatic)"
-    model.eval()
+    # A pipeline stage cannot evaluate alone: gather the whole model on every rank first.
+    state = pipe.full_state() if pipe is not None else None
+    eval_model = model
+    if state is not None:
+        eval_model = TinyGPT(model_cfg).to(ctx.device)
+        eval_model.load_state_dict(state)
+    eval_model.eval()
     eval_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 7 + ctx.dp_rank)
     losses = []
     with torch.no_grad():
@@ -443,9 +461,10 @@ def train(
             ex, ey = corpus.batch(
                 eval_gen, batch_size=cfg.batch_size, context=cfg.context, held_out=True
             )
-            losses.append(_loss(model, ex.to(ctx.device), ey.to(ctx.device), dtype))
+            losses.append(_loss(eval_model, ex.to(ctx.device), ey.to(ctx.device), dtype))
     held_out = _mean_over_ranks(torch.stack(losses).mean(), ctx)
-    state = full_state(model)
+    if state is None:
+        state = full_state(model)
     digest = params_digest(state)
     sample = ""
     if ctx.is_main:

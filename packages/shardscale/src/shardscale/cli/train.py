@@ -101,8 +101,9 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mesh",
         default=None,
-        metavar="DPxTP",
-        help="'2x2' = FSDP over 2 ranks x tensor parallel over 2 (default: FSDP over all)",
+        metavar="MESH",
+        help="'2x2' = FSDP over 2 ranks x tensor parallel over 2; 'pp2' or 'pp2,dp2' = 2 "
+        "pipeline stages (each FSDP over 2 ranks) (default: FSDP over all)",
     )
     p.add_argument(
         "--out",
@@ -269,7 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if ctx.is_main:
             mesh_desc = (
-                f"FSDP {ctx.shape.dp} x TP {ctx.shape.tp}"
+                f"{ctx.shape.pp} pipeline stages x FSDP over {ctx.shape.dp}"
+                if ctx.shape.pp > 1
+                else f"FSDP {ctx.shape.dp} x TP {ctx.shape.tp}"
                 if ctx.shape.tp > 1
                 else f"FSDP over {ctx.shape.dp}"
             )

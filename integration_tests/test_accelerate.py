@@ -1,0 +1,200 @@
+"""A real ``Accelerator`` training loop on 2 gloo ranks with ``use_shardscale``, overflow on one rank.
+
+Accelerate's path exercised on CPU: ``MULTI_CPU`` (DDP over gloo). Its FSDP
+path (``fsdp_plugin``) is only taken on GPU-like devices (``MULTI_GPU`` etc.;
+``cpu=True`` ignores the plugin), so FSDP2 is not exercised here.
+
+On CPU Accelerate builds no scaler at all (fp16 autocast is GPU-only there),
+so the loop runs in float32 with the scaler active: the scaling, skip,
+clipping and checkpoint logic is what is tested. "torch" runs set
+``accelerator.scaler = torch.amp.GradScaler("cpu")``, which is what Accelerate
+builds on a GPU (``get_grad_scaler``), to show what ``use_shardscale`` fixes:
+with a fused AdamW, an overflow step is skipped inside the kernel but
+``optimizer_step_was_skipped`` stays False and the scheduler advances
+(accelerate#4242).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from mp_harness import Pool
+from tolerances import clipped_grad_rtol, norm_rtol
+
+pytest.importorskip("accelerate")
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+STEPS = 8
+INJECT = {2: 0, 5: 1}  # step -> the one rank whose loss is inf there
+INIT_SCALE = 1024.0
+CLIP = 0.05
+DIM = 8
+
+
+def _fresh_accelerator(**kwargs: Any) -> Any:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    # Accelerate keeps process-wide singletons; each case starts from none.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(
+        {"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": str(world),
+         "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29556"}
+    )  # fmt: skip
+    return Accelerator(cpu=True, mixed_precision="fp16", **kwargs)
+
+
+def _setup(kind: str, fused: bool, init_scale: float) -> tuple[Any, Any, Any, Any]:
+    from shardscale.accelerate import use_shardscale
+
+    acc = _fresh_accelerator()
+    assert acc.distributed_type.name == "MULTI_CPU" and acc.scaler is None
+    if kind == "shardscale":
+        use_shardscale(acc, init_scale=init_scale)
+    else:  # what Accelerate builds on a GPU
+        acc.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    torch.manual_seed(0)  # identical initial weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    return acc, model, opt, sched
+
+
+def _norm(grads: list[torch.Tensor]) -> float:
+    return float(torch.nn.utils.get_total_norm([g.to(torch.float64) for g in grads], 2.0))
+
+
+def _train(acc: Any, model: Any, opt: Any, sched: Any, steps: range, clip: bool) -> list[Any]:
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    batches = [torch.randn(8, DIM, generator=g) for _ in range(steps.stop)]
+    rows = []
+    for step in steps:
+        loss = (model(batches[step]) - 1.0).pow(2).mean()
+        if INJECT.get(step) == rank:
+            loss = loss * math.inf
+        acc.backward(loss)
+        scale = acc.scaler.get_scale()
+        grads = [p.grad for p in model.parameters()]
+        row: dict[str, Any] = {"ref_norm": _norm(grads) / scale, "scale_before": scale}
+        if clip:
+            row["norm"] = float(acc.clip_grad_norm_(model.parameters(), CLIP))
+            row["after_clip"] = _norm([p.grad for p in model.parameters()])
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        row.update(
+            skipped=acc.optimizer_step_was_skipped, scale=acc.scaler.get_scale(),
+            lr=opt.param_groups[0]["lr"], sched=sched.scheduler.last_epoch,
+        )  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def _params(model: Any) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _case(kind: str, fused: bool, ckpt: str | None) -> dict[str, Any]:
+    from shardscale.accelerate import ShardscaleAcceleratedOptimizer
+
+    acc, model, opt, sched = _setup(kind, fused, INIT_SCALE)
+    out: dict[str, Any] = {"opt_class": type(opt).__name__}
+    if kind == "shardscale":
+        assert isinstance(opt, ShardscaleAcceleratedOptimizer)
+    out["rows"] = _train(acc, model, opt, sched, range(STEPS), clip=kind == "shardscale")
+    out["params"] = _params(model)
+    if ckpt is None:
+        return out
+    acc.save_state(ckpt)
+    out["saved_scaler"] = torch.load(Path(ckpt) / "scaler.pt", weights_only=True)
+    # A fresh Accelerator and scaler built with another scale: the checkpoint's must win.
+    acc2, model2, opt2, sched2 = _setup(kind, fused, 2.0**16)
+    acc2.load_state(ckpt)
+    out["loaded"] = {"scale": acc2.scaler.get_scale(), "sched": sched2.scheduler.last_epoch}
+    out["loaded_params_equal"] = all(
+        torch.equal(a, b) for a, b in zip(_params(model2), out["params"], strict=True)
+    )
+    out["resumed"] = _train(acc2, model2, opt2, sched2, range(STEPS, STEPS + 2), clip=True)
+    out["resumed_params"] = _params(model2)
+    return out
+
+
+def _check_shardscale(results: list[dict[str, Any]], *, fused: bool) -> None:
+    numel = sum(p.numel() for p in results[0]["params"])
+    rtol = 4 * norm_rtol(numel, torch.float32, 2.0)  # ours and torch's, each within the bound
+    for rank, res in enumerate(results):
+        rows = res["rows"]
+        assert res["opt_class"] == "ShardscaleAcceleratedOptimizer"
+        # Every rank reports exactly the injected steps as skipped, fused optimizer included.
+        assert [i for i, r in enumerate(rows) if r["skipped"]] == sorted(INJECT), (rank, rows)
+        assert [r["scale"] for r in rows] == [
+            INIT_SCALE * 0.5 ** sum(1 for k in INJECT if k <= i) for i in range(STEPS)
+        ]
+        # Accelerate's scheduler holds on skipped steps and otherwise steps once per process
+        # (split_batches=False), so it stands at 2 * taken steps.
+        taken = STEPS - len(INJECT)
+        assert rows[-1]["sched"] == 2 * taken
+        assert rows[-1]["lr"] == pytest.approx(1e-2 / (1.0 + 2 * taken), rel=1e-12)
+        clean = [r for r in rows if not r["skipped"]]
+        assert any(r["ref_norm"] > CLIP for r in clean)  # clipping really acts
+        for r in clean:
+            # clip_grad_norm_ returns the true global norm (DDP: every rank's grads are the mean).
+            assert r["norm"] == pytest.approx(r["ref_norm"], rel=rtol), r
+            if not fused:
+                expected = r["ref_norm"] * min(1.0, CLIP / (r["ref_norm"] + 1e-6))
+                tol = clipped_grad_rtol(numel, torch.float32, 2.0) + rtol
+                assert r["after_clip"] == pytest.approx(expected, rel=tol), r
+            else:
+                # A fused optimizer's gradients stay scaled: it unscales and clips in its kernel.
+                assert r["after_clip"] == pytest.approx(r["ref_norm"] * r["scale_before"], rel=rtol)
+        for r in rows:
+            if r["skipped"]:
+                assert not math.isfinite(r["norm"])
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def _check_resume(results: list[dict[str, Any]]) -> None:
+    final = INIT_SCALE * 0.5 ** len(INJECT)
+    for res in results:
+        assert res["saved_scaler"]["scale"] == final
+        assert res["loaded"] == {"scale": final, "sched": 2 * (STEPS - len(INJECT))}
+        assert res["loaded_params_equal"]
+        assert [r["scale_before"] for r in res["resumed"]] == [final, final]
+        assert not any(r["skipped"] for r in res["resumed"])
+    for a, b in zip(results[0]["resumed_params"], results[1]["resumed_params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_ddp_fused_adamw_skip_clip_and_checkpoint(pool2: Pool, tmp_path: Path) -> None:
+    results = pool2.run(_case, "shardscale", True, str(tmp_path / "fused"))
+    _check_shardscale(results, fused=True)
+    _check_resume(results)
+
+
+def test_ddp_unfused_adamw_skip_and_clip(pool2: Pool) -> None:
+    results = pool2.run(_case, "shardscale", False, None)
+    _check_shardscale(results, fused=False)
+
+
+def test_torch_scaler_fused_adamw_reports_no_skip(pool2: Pool) -> None:
+    """accelerate#4242 on CPU: the bug use_shardscale fixes (this passing means it reproduces)."""
+    for res in pool2.run(_case, "torch", True, None):
+        rows = res["rows"]
+        assert res["opt_class"] == "AcceleratedOptimizer"
+        # The scaler saw the overflows and backed off ...
+        assert rows[-1]["scale"] == INIT_SCALE * 0.5 ** len(INJECT)
+        # ... but Accelerate says no step was skipped, and the scheduler advanced on them.
+        assert not any(r["skipped"] for r in rows)
+        assert rows[-1]["sched"] == 2 * STEPS

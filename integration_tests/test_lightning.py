@@ -1,0 +1,346 @@
+"""A real Lightning ``Trainer`` on 2 gloo ranks with ``ShardscalePrecision``, overflow on one rank.
+
+Strategies exercised on CPU: ``DDPStrategy`` and ``ModelParallelStrategy``,
+both as FSDP2 (``fully_shard`` in ``configure_model``) and as tensor parallel
+(``parallelize_module``, column- then row-wise). Lightning's ``"fsdp"`` strategy
+(FSDP1) refuses a CPU accelerator and torch's FSDP1 needs an accelerator
+device, so it is not exercised here (docs/lightning.md says so).
+
+Each run trains STEPS optimizer steps with an infinite loss injected on ONE
+rank at the steps in INJECT (rank 0 at one step, rank 1 at another). What must
+hold, derived from torch's GradScaler semantics rather than from our code:
+every rank skips exactly the injected steps; the scale halves once per skip
+(growth_interval is far away); an ``interval="step"`` scheduler advances only
+on the steps taken; parameters are bit-identical across ranks; the logged
+gradient norm is the true global norm (computed here with torch's own
+``get_total_norm`` from the gradients after backward) and the gradients the
+optimizer sees are clipped to it; the checkpoint stores the scaler's state and
+a resumed run starts from it. Lightning's own plugins are run on the same
+loop to show what this fixes: the scheduler advances on skipped steps, and
+norm clipping raises with a fused optimizer or under FSDP2.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from mp_harness import Pool
+from tolerances import clipped_grad_rtol, norm_rtol
+
+pl = pytest.importorskip("lightning.pytorch")
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+STEPS = 8
+INJECT = {2: 0, 5: 1}  # optimizer step -> the one rank whose loss is inf there
+INIT_SCALE = 1024.0
+CLIP = 0.05  # below the clean steps' norms (checked), so clipping really acts
+BATCH = 8
+DIM = 8
+
+
+def _launch_env() -> None:
+    # The pool already holds the process group: Lightning sees an external launcher
+    # (LOCAL_RANK set) and an initialized group, so it starts nothing itself.
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(
+        {"LOCAL_RANK": str(rank), "NODE_RANK": "0", "RANK": str(rank),
+         "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}
+    )  # fmt: skip
+
+
+class _Net(pl.LightningModule):
+    def __init__(self, *, fused: bool, layout: str, override_clip: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # identical initial weights on every rank
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(DIM, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+        )
+        self.fused = fused
+        self.layout = layout
+        self.override_clip = override_clip
+
+    def configure_model(self) -> None:
+        if self.layout == "tensor_parallel":
+            from torch.distributed.tensor.parallel import (
+                ColwiseParallel,
+                RowwiseParallel,
+                parallelize_module,
+            )
+
+            tp = self.device_mesh["tensor_parallel"]
+            parallelize_module(self.net, tp, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            return
+        if self.layout != "model_parallel":
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        loss = (self.net(x).float() - 1.0).pow(2).mean()
+        if INJECT.get(self.global_step) == dist.get_rank():
+            loss = loss * math.inf
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, fused=self.fused)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class _OverrideClip(_Net):
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+    ) -> None:
+        # A module that decides clipping itself: the request reaches the plugin's clip_grad_by_norm.
+        self.clip_gradients(optimizer, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+
+
+def _grads(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in module.parameters() if p.grad is not None]
+
+
+def _global_norm(grads: list[torch.Tensor]) -> float:
+    """torch's own norm of the (DTensor or replicated) gradients, in float64."""
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.get_total_norm([g.to(torch.float64) for g in grads], 2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+class _Recorder(pl.Callback):
+    """Reads what the test checks, on the host (the plugin itself never does)."""
+
+    def __init__(self, plugin: Any) -> None:
+        self.plugin = plugin
+        self.steps: list[dict[str, Any]] = []
+        self.start: dict[str, Any] = {}
+        self._row: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        sched = trainer.lr_scheduler_configs[0].scheduler
+        self.start = {"scale": self.plugin.scaler.get_scale(), "sched": sched.last_epoch}
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        scale = self.plugin.scaler.get_scale()
+        self._row = {"ref_norm": _global_norm(_grads(pl_module)) / scale, "scale_before": scale}
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._row["hook_norm"] = _global_norm(_grads(pl_module))
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        opt = trainer.optimizers[0]
+        flag = self.plugin.step_was_skipped(opt)
+        norm = self.plugin.grad_norm
+        logged = {k: float(v) for k, v in trainer.callback_metrics.items() if "shardscale" in k}
+        self._row.update(
+            skipped=bool(flag), scale=self.plugin.scaler.get_scale(),
+            norm=float(norm) if norm is not None else None, logged=logged,
+            lr=opt.param_groups[0]["lr"],
+        )  # fmt: skip
+        self.steps.append(self._row)
+
+
+def _full_params(module: torch.nn.Module) -> list[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return [
+        (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for p in module.parameters()
+    ]
+
+
+def _trainer(plugin: Any, strategy: str, steps: int, recorder: _Recorder, **kw: Any) -> Any:
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    strat: Any = DDPStrategy()
+    if strategy == "model_parallel":  # FSDP2 over both ranks
+        strat = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    elif strategy == "tensor_parallel":  # both ranks hold shards of every weight
+        strat = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
+    return pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strat, plugins=[plugin], max_steps=steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, callbacks=[recorder], **kw,
+    )  # fmt: skip
+
+
+def _loader(rank: int, steps: int, *, same: bool = False) -> torch.utils.data.DataLoader[Any]:
+    # Each rank its own data, except under tensor parallelism, where ranks share the batch.
+    g = torch.Generator().manual_seed(100 + (0 if same else rank))
+    data = torch.utils.data.TensorDataset(torch.randn(steps * BATCH, DIM, generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=BATCH)
+
+
+def _shardscale_case(strategy: str, fused: bool, override_clip: bool, ckpt: str | None) -> Any:
+    from shardscale.lightning import ShardscalePrecision
+
+    _launch_env()
+    rank = dist.get_rank()
+    sharded_ckpt = strategy != "ddp"  # ModelParallel saves a distributed checkpoint (a directory)
+    same = strategy == "tensor_parallel"
+    cls = _OverrideClip if override_clip else _Net
+    model = cls(fused=fused, layout=strategy, override_clip=override_clip)
+    plugin = ShardscalePrecision("16-mixed", device="cpu", init_scale=INIT_SCALE)
+    rec = _Recorder(plugin)
+    clip_kw = {} if override_clip else {"gradient_clip_val": CLIP}
+    trainer = _trainer(plugin, strategy, STEPS, rec, **clip_kw)
+    trainer.fit(model, _loader(rank, STEPS + 2, same=same))
+    out: dict[str, Any] = {
+        "steps": rec.steps,
+        "params": _full_params(model),
+        "sched": trainer.lr_scheduler_configs[0].scheduler.last_epoch,
+        "global_step": trainer.global_step,
+    }
+    if ckpt is None:
+        return out
+    trainer.save_checkpoint(ckpt)
+    dist.barrier()
+    if not sharded_ckpt:
+        out["saved"] = torch.load(ckpt, weights_only=False)[type(plugin).__qualname__]
+    # Resume into a fresh plugin built with another scale: the checkpoint's must win.
+    plugin2 = ShardscalePrecision("16-mixed", device="cpu", init_scale=2.0**16)
+    rec2 = _Recorder(plugin2)
+    model2 = cls(fused=fused, layout=strategy, override_clip=override_clip)
+    trainer2 = _trainer(plugin2, strategy, STEPS + 2, rec2, **clip_kw)
+    trainer2.fit(model2, _loader(rank, STEPS + 2, same=same), ckpt_path=ckpt)
+    out["resumed"] = {"start": rec2.start, "steps": rec2.steps, "params": _full_params(model2)}
+    return out
+
+
+def _lightning_own_case() -> dict[str, Any]:
+    """The same loop on Lightning's own plugins: what ShardscalePrecision fixes."""
+    from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision
+
+    _launch_env()
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", INIT_SCALE))
+    trainer = _trainer(plugin, "ddp", STEPS, _NoRecorder())
+    trainer.fit(_Net(fused=False, layout="ddp", override_clip=False), _loader(rank, STEPS))
+    out["scale"] = plugin.scaler.get_scale()
+    out["sched"] = trainer.lr_scheduler_configs[0].scheduler.last_epoch
+    errors = []
+    for strategy, prec in (
+        ("ddp", MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))),
+        ("model_parallel", FSDPPrecision("bf16-mixed")),
+    ):
+        trainer = _trainer(prec, strategy, 2, _NoRecorder(), gradient_clip_val=CLIP)
+        net = _Net(fused=strategy == "ddp", layout=strategy, override_clip=False)
+        try:
+            trainer.fit(net, _loader(rank, 2))
+            errors.append(None)
+        except Exception as exc:  # what Lightning raises is the point
+            errors.append(f"{type(exc).__name__}: {exc}")
+    out["errors"] = errors
+    return out
+
+
+class _NoRecorder(pl.Callback):
+    pass
+
+
+# -- parent side ------------------------------------------------------------------------------
+
+
+def _check_run(results: list[dict[str, Any]], *, fused: bool) -> None:
+    r0, r1 = results
+    numel = sum(p.numel() for p in r0["params"])
+    for rank, res in enumerate(results):
+        steps = res["steps"]
+        assert len(steps) == STEPS and res["global_step"] == STEPS
+        # Every rank skips exactly the injected steps, whichever rank overflowed.
+        assert [i for i, s in enumerate(steps) if s["skipped"]] == sorted(INJECT), (rank, steps)
+        # The scale halves once per skip (growth_interval 2000 is never reached).
+        assert [s["scale"] for s in steps] == [
+            INIT_SCALE * 0.5 ** sum(1 for k in INJECT if k <= i) for i in range(STEPS)
+        ]
+        # The scheduler advanced on the steps taken only, and the lr shows it.
+        taken = STEPS - len(INJECT)
+        assert res["sched"] == taken
+        assert steps[-1]["lr"] == pytest.approx(1e-2 / (1.0 + taken), rel=1e-12)
+        clean = [s for s in steps if not s["skipped"]]
+        assert any(s["ref_norm"] > CLIP for s in clean)  # clipping really acts
+        rtol = 4 * norm_rtol(numel, torch.float32, 2.0)  # ours and torch's, each within the bound
+        for s in clean:
+            assert s["norm"] == pytest.approx(s["ref_norm"], rel=rtol), s
+            # logged through self.log as a device tensor; callback_metrics hold the last step's
+        assert steps[-1]["logged"]["shardscale/grad_norm"] == pytest.approx(steps[-1]["norm"])
+        assert steps[-1]["logged"]["shardscale/scale"] == steps[-1]["scale"]
+        assert steps[-1]["logged"]["shardscale/skipped"] == 0.0
+        if not fused:
+            # The optimizer sees unscaled gradients of norm min(norm, CLIP): torch's clip rule.
+            for s in clean:
+                expected = s["ref_norm"] * min(1.0, CLIP / (s["ref_norm"] + 1e-6))
+                tol = clipped_grad_rtol(numel, torch.float32, 2.0) + rtol
+                assert s["hook_norm"] == pytest.approx(expected, rel=tol), s
+        for s in steps:
+            if s["skipped"]:
+                assert s["norm"] is None or not math.isfinite(s["norm"])
+    # Identical parameters on every rank, bit for bit, and training moved them.
+    for a, b in zip(r0["params"], r1["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def _check_resume(results: list[dict[str, Any]]) -> None:
+    final_scale = INIT_SCALE * 0.5 ** len(INJECT)
+    for res in results:
+        if "saved" in res:
+            assert res["saved"]["scale"] == final_scale
+            assert res["saved"]["growth_factor"] == 2.0
+        resumed = res["resumed"]
+        assert resumed["start"] == {"scale": final_scale, "sched": STEPS - len(INJECT)}
+        assert len(resumed["steps"]) == 2 and not any(s["skipped"] for s in resumed["steps"])
+        assert [s["scale_before"] for s in resumed["steps"]] == [final_scale] * 2
+    for a, b in zip(results[0]["resumed"]["params"], results[1]["resumed"]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_ddp_unfused_adamw_clip_skip_and_resume(pool2: Pool, tmp_path: Path) -> None:
+    results = pool2.run(_shardscale_case, "ddp", False, False, str(tmp_path / "ddp.ckpt"))
+    _check_run(results, fused=False)
+    _check_resume(results)
+
+
+def test_fsdp2_model_parallel_fused_adamw_clip_skip_and_resume(pool2: Pool, tmp_path: Path) -> None:
+    results = pool2.run(
+        _shardscale_case, "model_parallel", True, False, str(tmp_path / "fsdp2.ckpt")
+    )
+    _check_run(results, fused=True)
+    _check_resume(results)
+
+
+def test_tensor_parallel_unfused_adamw_clip_and_skip(pool2: Pool) -> None:
+    # Column- then row-wise sharded weights: the inf stays in one rank's shards.
+    results = pool2.run(_shardscale_case, "tensor_parallel", False, False, None)
+    _check_run(results, fused=False)
+
+
+def test_ddp_fused_adamw_module_overrides_clipping(pool2: Pool) -> None:
+    results = pool2.run(_shardscale_case, "ddp", True, True, None)
+    _check_run(results, fused=True)
+
+
+def test_lightning_own_plugins_show_what_is_fixed(pool2: Pool) -> None:
+    for res in pool2.run(_lightning_own_case):
+        # torch's scaler under DDP skips the same steps (gradients are all-reduced first) ...
+        assert res["scale"] == INIT_SCALE * 0.5 ** len(INJECT)
+        # ... but Lightning steps the scheduler on the skipped steps too.
+        assert res["sched"] == STEPS
+        fused_clip, fsdp2_clip = res["errors"]
+        assert fused_clip is not None and "does not allow for gradient clipping" in fused_clip
+        assert fsdp2_clip is not None and "not supported" in fsdp2_clip

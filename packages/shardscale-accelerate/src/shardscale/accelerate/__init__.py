@@ -1,0 +1,68 @@
+"""shardscale.accelerate: shardscale's scaler and clipping in a Hugging Face ``Accelerator``.
+
+Quick start::
+
+    from accelerate import Accelerator
+    from shardscale.accelerate import use_shardscale
+
+    accelerator = Accelerator(mixed_precision="fp16")
+    use_shardscale(accelerator)            # the one added line, before prepare()
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+
+See docs/accelerate.md for what it fixes and exactly what it overrides. Names
+load on first use, so the registry can import ``shardscale.accelerate._plugin``
+without importing Accelerate.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shardscale.accelerate._contract import (
+        TESTED_ACCELERATE,
+        AccelerateContractError,
+        check_accelerate,
+        contract_problems,
+    )
+    from shardscale.accelerate._install import (
+        ShardscaleAcceleratedOptimizer,
+        is_using_shardscale,
+        use_shardscale,
+    )
+
+__all__ = [
+    "use_shardscale",
+    "is_using_shardscale",
+    "ShardscaleAcceleratedOptimizer",
+    "check_accelerate",
+    "contract_problems",
+    "AccelerateContractError",
+    "TESTED_ACCELERATE",
+]
+
+_CONTRACT = "shardscale.accelerate._contract"
+_INSTALL = "shardscale.accelerate._install"
+_WHERE = {
+    "use_shardscale": _INSTALL,
+    "is_using_shardscale": _INSTALL,
+    "ShardscaleAcceleratedOptimizer": _INSTALL,
+    "check_accelerate": _CONTRACT,
+    "contract_problems": _CONTRACT,
+    "AccelerateContractError": _CONTRACT,
+    "TESTED_ACCELERATE": _CONTRACT,
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardscale.accelerate' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

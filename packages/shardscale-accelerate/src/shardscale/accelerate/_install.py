@@ -1,0 +1,217 @@
+"""``use_shardscale(accelerator)``: make one ``Accelerator`` scale and clip through shardscale.
+
+What it changes, on that instance only (see [Note: why a contract check]):
+
+* ``accelerator.scaler`` becomes a :class:`shardscale.core.ShardedGradScaler`
+  (built from the ``GradScalerKwargs`` handler, if any). Accelerate itself then
+  uses it in ``backward``, hands it to every ``AcceleratedOptimizer`` it
+  prepares, and saves/loads its ``state_dict`` in ``save_state``/``load_state``.
+* ``prepare_optimizer`` returns optimizers of a subclass,
+  :class:`ShardscaleAcceleratedOptimizer`, whose ``step_was_skipped`` comes from
+  the scaler's reduced skip flag, read only when asked (Accelerate derives it
+  from whether ``optimizer.step`` was called, which a fused optimizer always is).
+* ``unscale_gradients`` unscales whenever the scaler is enabled (Accelerate only
+  does on an fp16 ``native_amp`` device).
+* ``clip_grad_norm_`` is ``unscale_and_clip_`` when the parameters are those of
+  one prepared optimizer (one read, one collective, fused optimizers included),
+  else unscale + ``shardscale.clip.clip_grad_norm_``; both the true global norm.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+
+from shardscale.accelerate._contract import check_accelerate
+from shardscale.clip import clip_grad_norm_, unscale_and_clip_
+from shardscale.core import ShardedGradScaler, optimizer_params
+
+__all__ = ["ShardscaleAcceleratedOptimizer", "use_shardscale", "is_using_shardscale"]
+
+# Accelerate paths whose scaler and clipping are Accelerate's own to run.
+_REFUSED = {
+    DistributedType.DEEPSPEED: "DeepSpeed scales and clips inside its engine",
+    DistributedType.MEGATRON_LM: "Megatron-LM scales and clips inside its optimizer",
+    DistributedType.XLA: "XLA has its own scaler (torch_xla.amp)",
+}
+
+
+class ShardscaleAcceleratedOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
+    """An ``AcceleratedOptimizer`` whose skip signal is the scaler's agreed decision.
+
+    ``step_was_skipped`` turns the 0-dim skip flag into a bool when read (one
+    host read, already paid by an unfused step), so a fused optimizer's
+    skipped step is reported, and a scheduler prepared by Accelerate holds.
+    """
+
+    def step(self, closure: Any = None) -> None:
+        """Accelerate's step, then keep the scaler's skip flag for ``step_was_skipped``."""
+        super().step(closure)
+        if self.gradient_state.sync_gradients and isinstance(self.scaler, ShardedGradScaler):
+            self._shardscale_skipped = self.scaler.last_step_skipped
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last synchronised step was skipped on every rank (gradient overflow)."""
+        flag: torch.Tensor | None = getattr(self, "_shardscale_skipped", None)
+        return bool(flag) if flag is not None else False
+
+
+def _inner(optimizer: Any) -> torch.optim.Optimizer:
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer  # type: ignore[no-any-return]
+
+
+def _prepare_optimizer(
+    self: Accelerator, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+) -> Any:
+    prepared = type(self).prepare_optimizer(self, optimizer, device_placement=device_placement)
+    if type(prepared) is AcceleratedOptimizer:
+        prepared.__class__ = ShardscaleAcceleratedOptimizer  # same state, our step/skip signal
+    return prepared
+
+
+def _unscale_gradients(self: Accelerator, optimizer: Any = None) -> None:
+    scaler = self.scaler
+    if not isinstance(scaler, ShardedGradScaler) or not scaler.is_enabled():
+        return
+    if optimizer is None:
+        optimizers = list(self._optimizers)
+    elif isinstance(optimizer, (list, tuple)):
+        optimizers = list(optimizer)
+    else:
+        optimizers = [optimizer]
+    for opt in optimizers:
+        scaler.unscale_(_inner(opt))
+
+
+def _clip_grad_norm_(
+    self: Accelerator, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
+) -> torch.Tensor:
+    scaler = self.scaler
+    assert isinstance(scaler, ShardedGradScaler)
+    params = list(parameters)
+    wanted = {id(p) for p in params if p.grad is not None}
+    if wanted:
+        for prepared in self._optimizers:
+            opt = _inner(prepared)
+            if {id(p) for p in optimizer_params(opt) if p.grad is not None} == wanted:
+                # The usual case (clip_grad_norm_(model.parameters(), ...)): one fused pass.
+                return unscale_and_clip_(scaler, opt, float(max_norm), float(norm_type))
+    # A subset of an optimizer's parameters, or several optimizers: unscale them all (as
+    # Accelerate does), then clip by the global norm over exactly these parameters.
+    self.unscale_gradients()
+    config = scaler.step_config
+    return clip_grad_norm_(
+        params,
+        float(max_norm),
+        float(norm_type),
+        process_group=config.group,
+        backend=config.backend,
+        distinct_dims=config.distinct_dims,
+        registry=config.registry,
+    )
+
+
+def is_using_shardscale(accelerator: Accelerator) -> bool:
+    """Whether :func:`use_shardscale` was applied to ``accelerator``."""
+    return isinstance(accelerator.__dict__.get("scaler"), ShardedGradScaler) and isinstance(
+        accelerator.__dict__.get("clip_grad_norm_"), types.MethodType
+    )
+
+
+def use_shardscale(
+    accelerator: Accelerator,
+    *,
+    scaler: ShardedGradScaler | None = None,
+    **scaler_options: Any,
+) -> ShardedGradScaler:
+    """Make ``accelerator`` use shardscale's loss scaler and global-norm clipping.
+
+    Call it once, right after creating the ``Accelerator`` and before
+    ``accelerator.prepare(...)``::
+
+        accelerator = Accelerator(mixed_precision="fp16")
+        use_shardscale(accelerator)          # the one added line
+        model, optimizer, sched = accelerator.prepare(model, optimizer, sched)
+
+    Then ``accelerator.backward``, ``accelerator.clip_grad_norm_``,
+    ``optimizer.step()``, ``accelerator.optimizer_step_was_skipped``, the
+    prepared scheduler and ``save_state``/``load_state`` all go through the
+    returned :class:`ShardedGradScaler`: every rank skips the same steps (fused
+    optimizers, FSDP2 with several meshes or mixed DTensor/plain parameters
+    included), the scheduler holds on them, and clipping uses the true global
+    norm with one collective. Supported for Accelerate's single-process, DDP
+    (multi-GPU and multi-CPU) and FSDP paths.
+
+    Args:
+        accelerator: a fresh ``Accelerator`` (nothing prepared yet).
+        scaler: a ready scaler; default: one on ``accelerator.device``, enabled
+            for ``mixed_precision="fp16"``, built from the ``GradScalerKwargs``
+            handler and ``scaler_options``.
+        scaler_options: keyword arguments of ``ShardedGradScaler``
+            (``init_scale``, ``growth_interval``, ``backend``, ``enabled``, ...).
+
+    Returns:
+        The scaler, also at ``accelerator.scaler``. Read its scale without a
+        host sync through ``scaler.scale_tensor`` (``get_scale()`` syncs).
+
+    Raises:
+        AccelerateContractError: the installed Accelerate changed what this relies on.
+        RuntimeError: ``accelerator.prepare`` already ran for an optimizer.
+        ValueError: the path is DeepSpeed, Megatron-LM or XLA.
+    """
+    if not isinstance(accelerator, Accelerator):
+        raise TypeError(
+            f"use_shardscale takes an accelerate.Accelerator, got {type(accelerator).__name__}"
+        )
+    check_accelerate(accelerator)
+    if scaler is not None and not isinstance(scaler, ShardedGradScaler):
+        raise TypeError(
+            f"use_shardscale(scaler=...) takes a shardscale.core.ShardedGradScaler, got "
+            f"{type(scaler).__name__}; pass its arguments as keywords instead."
+        )
+    if scaler is not None and scaler_options:
+        raise ValueError(
+            f"pass either a scaler or scaler options, not both (got {sorted(scaler_options)})"
+        )
+    reason = _REFUSED.get(accelerator.distributed_type)
+    if reason is not None:
+        raise ValueError(
+            f"use_shardscale does not support Accelerate's {accelerator.distributed_type} path: "
+            f"{reason}. Use it with DDP (multi-GPU/CPU), FSDP or a single process."
+        )
+    if is_using_shardscale(accelerator):
+        if scaler is not None or scaler_options:
+            raise RuntimeError(
+                "use_shardscale was already applied to this Accelerator; its scaler is "
+                "accelerator.scaler (pass options the first time only)."
+            )
+        existing: ShardedGradScaler = accelerator.scaler
+        return existing
+    if accelerator._optimizers:
+        raise RuntimeError(
+            "use_shardscale(accelerator) must run before accelerator.prepare(...): "
+            f"{len(accelerator._optimizers)} optimizer(s) were already prepared with "
+            "Accelerate's scaler. Call it right after Accelerator(...)."
+        )
+    if scaler is None:
+        options: dict[str, Any] = {}
+        if accelerator.scaler_handler is not None:
+            options.update(accelerator.scaler_handler.to_kwargs())
+        options.update(scaler_options)
+        options.setdefault("enabled", accelerator.mixed_precision == "fp16")
+        scaler = ShardedGradScaler(accelerator.device.type, **options)
+    accelerator.scaler = scaler
+    # Instance attributes shadow the class's methods for this accelerator only.
+    accelerator.prepare_optimizer = types.MethodType(_prepare_optimizer, accelerator)  # type: ignore[method-assign]
+    accelerator.unscale_gradients = types.MethodType(_unscale_gradients, accelerator)  # type: ignore[method-assign]
+    accelerator.clip_grad_norm_ = types.MethodType(_clip_grad_norm_, accelerator)  # type: ignore[method-assign]
+    return scaler

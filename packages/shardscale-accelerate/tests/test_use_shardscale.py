@@ -1,0 +1,303 @@
+"""use_shardscale in one process: Accelerate's contract, bad input, a real loop, checkpoints.
+
+The 2-rank DDP (MULTI_CPU) runs with injected overflow are in
+integration_tests/test_accelerate.py.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import inspect
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import accelerate
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import GradScalerKwargs
+from packaging.requirements import Requirement
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardscale.accelerate import (
+    TESTED_ACCELERATE,
+    AccelerateContractError,
+    ShardscaleAcceleratedOptimizer,
+    check_accelerate,
+    contract_problems,
+    is_using_shardscale,
+    use_shardscale,
+)
+from shardscale.core import ShardedGradScaler
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state() -> Iterator[None]:
+    # Accelerate keeps process-wide singletons: every test starts and ends without them.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _accelerator(**kw: Any) -> Accelerator:
+    kw.setdefault("mixed_precision", "fp16")
+    return Accelerator(cpu=True, **kw)
+
+
+# -- the contract with Accelerate -------------------------------------------------------------
+
+
+def test_installed_accelerate_is_the_tested_one_and_in_range() -> None:
+    reqs = [Requirement(r) for r in md.requires("shardscale-accelerate") or []]
+    (spec,) = [r.specifier for r in reqs if r.name == "accelerate"]
+    assert accelerate.__version__ in spec
+    assert TESTED_ACCELERATE in spec
+
+
+def test_the_installed_accelerate_meets_the_contract() -> None:
+    assert contract_problems(_accelerator()) == []
+
+
+def test_a_changed_signature_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    def clip_grad_norm_(self: Any, params: Any, max_norm: Any, *, error_if_nonfinite: bool) -> Any:
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(Accelerator, "clip_grad_norm_", clip_grad_norm_)
+    monkeypatch.delattr(AcceleratedOptimizer, "step_was_skipped")
+    with pytest.raises(AccelerateContractError) as info:
+        check_accelerate()
+    message = str(info.value)
+    assert (
+        "Accelerator.clip_grad_norm_ now takes (self, params, max_norm, error_if_nonfinite), "
+        "expected (self, parameters, max_norm, norm_type)"
+    ) in message
+    assert "AcceleratedOptimizer.step_was_skipped is gone" in message
+    assert f"tested {TESTED_ACCELERATE}" in message and "accelerate==" in message
+    acc = Accelerator(cpu=True)
+    with pytest.raises(AccelerateContractError):
+        use_shardscale(acc)
+    assert acc.scaler is None and "clip_grad_norm_" not in vars(acc)  # nothing was touched
+
+
+def test_accelerate_still_builds_its_own_optimizer_and_uses_the_scaler_hook_points() -> None:
+    # What the override's subclass stands on: Accelerate's step calls scaler.step and update.
+    source = inspect.getsource(AcceleratedOptimizer.step)
+    assert "self.scaler.step(self.optimizer" in source and "self.scaler.update()" in source
+    # and FSDP2's load_state re-creates the scale through torch's private initialiser:
+    scaler = ShardedGradScaler("cpu")
+    scaler.load_state_dict({"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                            "growth_interval": 5, "_growth_tracker": 3})  # fmt: skip
+    scaler._lazy_init_scale_growth_tracker(scaler._device)
+    assert scaler.get_scale() == 8.0 and scaler.state_dict()["_growth_tracker"] == 3
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+
+def test_bad_calls_name_the_problem_and_change_nothing() -> None:
+    with pytest.raises(TypeError, match=r"takes an accelerate\.Accelerator, got str"):
+        use_shardscale("accelerator")  # type: ignore[arg-type]
+    acc = _accelerator()
+    with pytest.raises(
+        TypeError, match=r"takes a shardscale\.core\.ShardedGradScaler, got GradScaler"
+    ):
+        use_shardscale(acc, scaler=torch.amp.GradScaler("cpu"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="either a scaler or scaler options"):
+        use_shardscale(acc, scaler=ShardedGradScaler("cpu"), init_scale=2.0)
+    assert acc.scaler is None and not is_using_shardscale(acc)
+    model = torch.nn.Linear(2, 2)
+    acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match=r"must run before accelerator.prepare\(\.\.\.\)"):
+        use_shardscale(acc)
+    assert acc.scaler is None
+
+
+def test_second_call_returns_the_same_scaler() -> None:
+    acc = _accelerator()
+    scaler = use_shardscale(acc)
+    assert use_shardscale(acc) is scaler is acc.scaler
+    with pytest.raises(RuntimeError, match="already applied"):
+        use_shardscale(acc, init_scale=4.0)
+
+
+def test_grad_scaler_kwargs_handler_and_options_build_the_scaler() -> None:
+    acc = _accelerator(kwargs_handlers=[GradScalerKwargs(init_scale=64.0, growth_interval=3)])
+    scaler = use_shardscale(acc, backoff_factor=0.25)
+    assert scaler.is_enabled() and scaler.get_scale() == 64.0
+    assert scaler.get_growth_interval() == 3 and scaler.get_backoff_factor() == 0.25
+    assert not use_shardscale(_fresh(mixed_precision="bf16")).is_enabled()
+
+
+def _fresh(**kw: Any) -> Accelerator:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return _accelerator(**kw)
+
+
+# -- a real loop in one process ---------------------------------------------------------------
+
+
+def _loop(acc: Accelerator, *, fused: bool, overflow_at: int, steps: int, clip: float) -> Any:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=fused)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for step in range(steps):
+        loss = (model(torch.randn(4, 6, generator=g)) - 1).pow(2).mean()
+        acc.backward(loss * math.inf if step == overflow_at else loss)
+        norm = acc.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        rows.append((acc.optimizer_step_was_skipped, float(norm)))
+    return model, opt, sched, rows
+
+
+def test_fused_adamw_overflow_is_reported_and_the_scheduler_holds(tmp_path: Path) -> None:
+    acc = _accelerator()
+    scaler = use_shardscale(acc, init_scale=512.0)
+    _model, opt, sched, rows = _loop(acc, fused=True, overflow_at=1, steps=4, clip=0.1)
+    assert isinstance(opt, ShardscaleAcceleratedOptimizer)
+    assert [skipped for skipped, _ in rows] == [False, True, False, False]
+    assert not math.isfinite(rows[1][1]) and all(math.isfinite(n) for _, n in rows[2:])
+    assert sched.scheduler.last_epoch == 3 and scaler.get_scale() == 256.0
+    # The scale tensor is there to read without a sync; get_scale() agrees.
+    assert scaler.scale_tensor is not None and float(scaler.scale_tensor) == 256.0
+    acc.save_state(str(tmp_path))
+    assert torch.load(tmp_path / "scaler.pt", weights_only=True)["scale"] == 256.0
+    acc2 = _fresh()
+    scaler2 = use_shardscale(acc2, init_scale=2.0**16)
+    _, _, sched2, _ = _loop(acc2, fused=True, overflow_at=-1, steps=0, clip=0.1)
+    acc2.load_state(str(tmp_path))
+    assert scaler2.get_scale() == 256.0 and sched2.scheduler.last_epoch == 3
+
+
+def test_bf16_clip_is_torchs_clip_with_the_scaler_off() -> None:
+    # No loss scaling, only the clipping: the same numbers as torch's clip_grad_norm_.
+    acc = _accelerator(mixed_precision="no")
+    assert not use_shardscale(acc).is_enabled()
+    _model, _, _, rows = _loop(acc, fused=False, overflow_at=-1, steps=1, clip=0.05)
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    g = torch.Generator().manual_seed(3)
+    (ref(torch.randn(4, 6, generator=g)) - 1).pow(2).mean().backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    assert rows[0][1] == float(expected)  # same reduction over the same float32 values
+
+
+# -- the registry -----------------------------------------------------------------------------
+
+
+def test_listed_by_the_registry_without_importing_accelerate() -> None:
+    code = (
+        "import json, sys\n"
+        "from shardscale.core import get_registry\n"
+        "info = [p for p in get_registry().plugins() if p.name == 'accelerate']\n"
+        "print(json.dumps({'info': [[i.distribution, list(i.hooks)] for i in info],"
+        " 'imported': 'accelerate' in sys.modules}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"info": [["shardscale-accelerate", []]], "imported": False}
+
+
+def test_clip_of_a_parameter_subset_is_the_subsets_global_norm() -> None:
+    # Not one optimizer's parameters: unscale them all, then clip exactly the subset.
+    acc = _accelerator()
+    scaler = use_shardscale(acc, init_scale=128.0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))
+    opt = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.backward(model(torch.randn(4, 3)).square().mean())
+    subset = list(model[1].parameters())
+    scaled = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    norm = acc.clip_grad_norm_(subset, 1e-3)
+    unscaled = [g / 128.0 for g in scaled]
+    expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in unscaled[2:]]))
+    assert float(norm) == pytest.approx(float(expected), rel=1e-6)  # float32 norms of 15 values
+    # The other layer is unscaled and not clipped; the subset is clipped to max_norm.
+    for p, g in zip(model[0].parameters(), unscaled[:2], strict=True):
+        assert torch.equal(p.grad, g)  # type: ignore[arg-type]
+    assert float(torch.nn.utils.get_total_norm([p.grad for p in subset])) == pytest.approx(  # type: ignore[misc]
+        1e-3, rel=1e-5
+    )
+    opt.step()
+    assert not acc.optimizer_step_was_skipped and scaler.get_scale() == 128.0
+
+
+_SYNCING = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::item", "aten::equal"}
+
+
+class _HostReads(TorchDispatchMode):
+    """Every op that would make the host wait for a device value (see test_no_host_sync.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func._schema.name in _SYNCING:
+            self.seen.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_fused_backward_clip_and_step_read_nothing_on_the_host() -> None:
+    acc = _accelerator()
+    use_shardscale(acc)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    model, opt = acc.prepare(model, opt)
+    reads = []
+    for step in range(3):
+        mode = _HostReads()
+        with mode:
+            acc.backward(model(torch.randn(2, 4)).square().mean())
+            acc.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+        reads.append(mode.seen)
+        if step == 2:
+            with _HostReads() as asked:
+                assert not acc.optimizer_step_was_skipped
+            assert len(asked.seen) == 1  # the skip flag, read only when asked
+    assert reads[1:] == [[], []]  # the first step checks the backend chain once
+
+
+def test_gradient_accumulation_skips_the_step_an_overflowing_micro_batch_feeds() -> None:
+    acc = _accelerator(gradient_accumulation_steps=2)
+    scaler = use_shardscale(acc, init_scale=64.0)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    model, opt = acc.prepare(model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    flags = []
+    for micro in range(4):
+        with acc.accumulate(model):
+            loss = model(torch.randn(2, 3)).square().mean()
+            acc.backward(loss * math.inf if micro == 0 else loss)  # poisons optimizer step 0
+            if acc.sync_gradients:
+                acc.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            if acc.sync_gradients:
+                flags.append(acc.optimizer_step_was_skipped)
+                if micro == 1:  # the skipped step left the weights alone
+                    assert all(
+                        torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)
+                    )
+    assert flags == [True, False] and scaler.get_scale() == 32.0
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))

@@ -1,0 +1,329 @@
+"""``ShardscalePrecision``: Lightning's FSDP precision plugin with shardscale's scaler and clipping.
+
+[Note: the order of one optimizer step]
+Lightning's own ``16-mixed`` plugins run: closure (forward + backward) →
+``scaler.unscale_`` → ``on_before_optimizer_step`` → ``configure_gradient_clipping``
+→ ``scaler.step`` → ``scaler.update``. Under FSDP its clipping raises, and with a
+fused optimizer it neither unscales nor clips. Here, when the Trainer's own
+``gradient_clip_val`` / ``gradient_clip_algorithm="norm"`` applies (the module
+does not override ``configure_gradient_clipping``), the unscale and the clip are
+ONE call, ``unscale_and_clip_``, made where Lightning unscales: one read of each
+gradient, one collective, the true global norm, fused optimizers included. The
+hook then sees unscaled (and already clipped) gradients, as Lightning promises;
+a fused optimizer's gradients stay scaled, as with Lightning's own plugin. When
+the module overrides ``configure_gradient_clipping``, its call lands in
+:meth:`ShardscalePrecision.clip_grad_by_norm`, which clips with the global norm
+too (one more collective when the gradients were already unscaled).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.plugins.precision import FSDPPrecision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from shardscale.clip import clip_grad_norm_, unscale_and_clip_
+from shardscale.core import ShardedGradScaler, optimizer_params
+from shardscale.lightning._schedulers import hold_on_skipped_steps
+
+__all__ = ["ShardscalePrecision", "PrecisionName"]
+
+PrecisionName = Literal["16-mixed", "bf16-mixed", "32-true", "16-true", "bf16-true"]
+_PRECISIONS: tuple[str, ...] = ("16-mixed", "bf16-mixed", "32-true", "16-true", "bf16-true")
+_INPUT_DTYPE = {
+    "16-mixed": torch.float32,
+    "bf16-mixed": torch.float32,
+    "32-true": torch.float32,
+    "16-true": torch.float16,
+    "bf16-true": torch.bfloat16,
+}
+
+
+def _handles_unscaling(optimizer: object) -> bool:
+    # torch's contract for fused optimizers: they divide by grad_scale inside their kernel.
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+class ShardscalePrecision(FSDPPrecision):
+    """Mixed precision for Lightning with shardscale's scaler and global-norm clipping.
+
+    Replaces ``precision="16-mixed"`` (or any other precision string) in a
+    ``Trainer`` with FSDP, ModelParallel (FSDP2/TP) or DDP strategies::
+
+        trainer = Trainer(strategy="fsdp", plugins=[ShardscalePrecision("16-mixed")])
+
+    What changes: for ``"16-mixed"`` the loss scaler is
+    :class:`shardscale.core.ShardedGradScaler`, so every rank skips the same
+    steps whatever the layout and whatever the optimizer (fused ones included);
+    ``gradient_clip_val`` with ``gradient_clip_algorithm="norm"`` works under
+    FSDP and clips by the true global norm, fused with the unscale (one read,
+    one collective); LR schedulers stepped every ``"step"`` do not advance on
+    skipped steps; the scale, the skip flag and the gradient norm are logged
+    through ``self.log`` as device tensors (no host sync per step).
+
+    Args:
+        precision: ``"16-mixed"`` (scaled), ``"bf16-mixed"``, ``"32-true"``,
+            ``"16-true"`` or ``"bf16-true"``.
+        device: device type for autocast and the scale (default: ``"cuda"`` when
+            available, else ``"cpu"``).
+        scaler: a ready :class:`ShardedGradScaler` (only with ``"16-mixed"``);
+            default: one built from ``scaler_options``.
+        log_metrics: log ``<prefix>scale``, ``<prefix>skipped`` and
+            ``<prefix>grad_norm`` on every optimizer step (on_step, logger only).
+        log_prefix: prefix of the logged names.
+        hold_schedulers: keep ``interval="step"`` schedulers from advancing on
+            skipped steps.
+        scaler_options: keyword arguments of ``ShardedGradScaler`` (``init_scale``,
+            ``growth_interval``, ``backend``, ...).
+    """
+
+    def __init__(
+        self,
+        precision: PrecisionName = "16-mixed",
+        *,
+        device: str | None = None,
+        scaler: ShardedGradScaler | None = None,
+        log_metrics: bool = True,
+        log_prefix: str = "shardscale/",
+        hold_schedulers: bool = True,
+        **scaler_options: Any,
+    ) -> None:
+        # FSDPPrecision.__init__ would build torch's ShardedGradScaler: set its attributes here
+        # instead (test_lightning_contract checks they are the ones Lightning's own sets).
+        if precision not in _PRECISIONS:
+            raise ValueError(
+                f"ShardscalePrecision(precision={precision!r}) is not supported; use one of "
+                f"{', '.join(map(repr, _PRECISIONS))}."
+            )
+        if scaler is not None and not isinstance(scaler, ShardedGradScaler):
+            raise TypeError(
+                f"ShardscalePrecision(scaler=...) takes a shardscale.core.ShardedGradScaler, got "
+                f"{type(scaler).__name__}; build one with the same arguments, or pass them as "
+                "keyword options (ShardscalePrecision('16-mixed', init_scale=...))."
+            )
+        if precision != "16-mixed" and (scaler is not None or scaler_options):
+            raise ValueError(
+                f"precision={precision!r} does not scale the loss, so it takes no scaler or "
+                f"scaler options (got {'a scaler' if scaler is not None else sorted(scaler_options)}); "
+                "use precision='16-mixed' for loss scaling."
+            )
+        if scaler is not None and scaler_options:
+            raise ValueError(
+                f"pass either a scaler or scaler options, not both (got {sorted(scaler_options)})"
+            )
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.precision = precision
+        self._desired_input_dtype = _INPUT_DTYPE[precision]
+        self.scaler: ShardedGradScaler | None = None  # type: ignore[assignment]
+        if precision == "16-mixed":
+            self.scaler = scaler or ShardedGradScaler(self.device, **scaler_options)
+        self.log_metrics = log_metrics
+        self.log_prefix = log_prefix
+        self.hold_schedulers = hold_schedulers
+        # Per iteration: optimizers already unscaled, and the norm of the last clip.
+        self._unscaled: set[int] = set()
+        self._clipped: set[int] = set()
+        self._grad_norm: torch.Tensor | None = None
+        self._skipped: dict[int, torch.Tensor] = {}
+
+    # -- what the strategies call ------------------------------------------------------------
+
+    def connect(
+        self,
+        model: torch.nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        lr_schedulers: list[Any],
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer], list[Any]]:
+        """Hold every ``interval="step"`` scheduler on steps the scaler skips."""
+        if self.hold_schedulers and self.scaler is not None:
+            for config in lr_schedulers:
+                if getattr(config, "interval", None) == "step":
+                    hold_on_skipped_steps(config.scheduler, self.step_was_skipped)
+        return model, optimizers, lr_schedulers
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """Autocast on this plugin's device (Lightning's FSDP plugin always autocasts "cuda")."""
+        if "mixed" in self.precision:
+            dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
+            with torch.autocast(self.device, dtype=dtype):
+                yield
+        else:
+            with super().forward_context():
+                yield
+
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: pl.LightningModule | torch.nn.Module,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        """One step: closure, unscale (fused with the clip when the Trainer clips), hooks, step, update."""
+        scaler = self.scaler
+        # A new iteration for this optimizer: nothing unscaled or clipped yet.
+        self._unscaled.discard(id(optimizer))
+        self._clipped.discard(id(optimizer))
+        self._grad_norm = None
+        if scaler is None or not scaler.is_enabled():
+            out = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # type: ignore[arg-type]
+            self._clipped.discard(id(optimizer))
+            self._log(model, optimizer)
+            return out
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise TypeError(
+                "LBFGS re-evaluates its closure, which loss scaling cannot follow; use another "
+                "optimizer with precision='16-mixed', or precision='bf16-mixed'."
+            )
+        closure_result = closure()
+        automatic = not isinstance(model, pl.LightningModule) or model.automatic_optimization
+        if closure_result is None and automatic:
+            # training_step returned None: no backward ran, so there is nothing to unscale or step.
+            self._clipped.add(id(optimizer))  # the hooks' clip request has nothing to do
+            self._after_closure(model, optimizer)  # type: ignore[arg-type]
+            self._clipped.discard(id(optimizer))
+            return closure_result
+        clip_val = self._trainer_clip_value(model)
+        if clip_val is not None:
+            self._grad_norm = unscale_and_clip_(scaler, optimizer, max_norm=clip_val)
+            self._unscaled.add(id(optimizer))
+            self._clipped.add(id(optimizer))
+        elif not _handles_unscaling(optimizer):
+            scaler.unscale_(optimizer)  # the hooks see unscaled gradients, as in Lightning
+            self._unscaled.add(id(optimizer))
+        self._after_closure(model, optimizer)  # type: ignore[arg-type]
+        out = scaler.step(optimizer, **kwargs)
+        scaler.update()
+        self._unscaled.discard(id(optimizer))
+        self._clipped.discard(id(optimizer))
+        skipped = scaler.last_step_skipped
+        if skipped is not None:
+            self._skipped[id(optimizer)] = skipped
+        self._log(model, optimizer)
+        return out
+
+    def _trainer_clip_value(self, model: pl.LightningModule | torch.nn.Module) -> float | None:
+        """The Trainer's norm-clip value when the default ``configure_gradient_clipping`` applies."""
+        if not isinstance(model, pl.LightningModule) or not model.automatic_optimization:
+            return None
+        trainer = model.trainer
+        value = trainer.gradient_clip_val
+        if not value or value <= 0:
+            return None
+        # Unset means "norm", as in LightningModule.clip_gradients.
+        if (
+            trainer.gradient_clip_algorithm or GradClipAlgorithmType.NORM
+        ) != GradClipAlgorithmType.NORM:
+            return None
+        if is_overridden("configure_gradient_clipping", model, pl.LightningModule):
+            return None  # the module decides per step: clip_grad_by_norm serves its request
+        return float(value)
+
+    # -- clipping ----------------------------------------------------------------------------
+
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Clip by norm (global, fused with the unscale when possible) or by value; fused optimizers too."""
+        if clip_val <= 0 or id(optimizer) in self._clipped:
+            return  # already clipped with the Trainer's value in this step
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            self._ensure_unscaled(optimizer)
+            torch.nn.utils.clip_grad_value_(self._params_with_grad(optimizer), clip_val)
+        elif gradient_clip_algorithm == GradClipAlgorithmType.NORM:
+            self.clip_grad_by_norm(optimizer, clip_val)
+
+    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:  # type: ignore[override]
+        """Clip ``optimizer``'s gradients by their true global norm (FSDP, FSDP2/TP, DDP)."""
+        scaler = self.scaler
+        if scaler is not None and scaler.is_enabled() and id(optimizer) not in self._unscaled:
+            self._grad_norm = unscale_and_clip_(scaler, optimizer, max_norm=float(clip_val))
+            self._unscaled.add(id(optimizer))
+        elif scaler is not None and scaler.is_enabled():
+            config = scaler.step_config
+            self._grad_norm = clip_grad_norm_(
+                self._params_with_grad(optimizer),
+                float(clip_val),
+                process_group=config.group,
+                backend=config.backend,
+                distinct_dims=config.distinct_dims,
+                registry=config.registry,
+            )
+        else:
+            self._grad_norm = clip_grad_norm_(self._params_with_grad(optimizer), float(clip_val))
+        self._clipped.add(id(optimizer))
+
+    def _ensure_unscaled(self, optimizer: torch.optim.Optimizer) -> None:
+        scaler = self.scaler
+        if scaler is not None and scaler.is_enabled() and id(optimizer) not in self._unscaled:
+            scaler.unscale_(optimizer)
+            self._unscaled.add(id(optimizer))
+
+    @staticmethod
+    def _params_with_grad(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        return [p for p in optimizer_params(optimizer) if p.grad is not None]
+
+    # -- skip signal and logging -------------------------------------------------------------
+
+    def step_was_skipped(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """The last step's skip flag for ``optimizer`` (a 0-dim bool tensor), or None."""
+        return self._skipped.get(id(optimizer))
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The global gradient norm of the last clipped step (device tensor), else None."""
+        return self._grad_norm
+
+    def _log(self, model: pl.LightningModule | torch.nn.Module, optimizer: object) -> None:
+        if not self.log_metrics or not isinstance(model, pl.LightningModule):
+            return
+        if getattr(model, "_current_fx_name", None) is None:
+            return  # not inside a Lightning hook (a step called by hand): nowhere to log
+        values: dict[str, torch.Tensor] = {}
+        scaler = self.scaler
+        if scaler is not None and scaler.scale_tensor is not None:
+            values["scale"] = scaler.scale_tensor
+            skipped = self._skipped.get(id(optimizer))
+            if skipped is not None:
+                values["skipped"] = skipped.to(torch.float32)
+        if self._grad_norm is not None:
+            values["grad_norm"] = self._grad_norm
+        # Without a logger the values still reach callback_metrics (checkpoint monitors).
+        to_logger = bool(getattr(model.trainer, "loggers", None))
+        for name, value in values.items():
+            # Device tensors, logger only: Lightning reads them on the host only when it writes
+            # the logs (every log_every_n_steps), not per step; the progress bar would read them.
+            try:
+                model.log(
+                    self.log_prefix + name,
+                    value,
+                    on_step=True,
+                    on_epoch=False,
+                    prog_bar=False,
+                    logger=to_logger,
+                    batch_size=1,
+                    sync_dist=False,  # already identical on every rank
+                )
+            except MisconfigurationException:
+                return  # a hook where Lightning forbids logging: the metrics are optional
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state (torch's keys), saved by Lightning in the checkpoint."""
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the scaler's state from a checkpoint (validated before anything changes)."""
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state_dict)
