@@ -30,6 +30,7 @@ DISTS = [
     "shardscale-collectives",
     "shardscale-clip",
     "shardscale-fsdp",
+    "shardscale-triton",
     "shardscale-telemetry",
     "shardscale",
     "shardscale-lightning",
@@ -80,7 +81,10 @@ def _run_tests(session: nox.Session, torch_version: str) -> None:
     paths = [str(ROOT / "packages" / d / "tests") for d in DISTS] + [
         str(ROOT / "integration_tests")
     ]
-    session.run("pytest", *paths, *session.posargs)
+    # Triton's interpreter for shardscale-triton's CPU tests: it must be on before anything
+    # imports triton, and it changes nothing else (the kernels claim the CPU only where a test
+    # also sets SHARDSCALE_TRITON_INTERPRET=1).
+    session.run("pytest", *paths, *session.posargs, env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session(python=PYTHON)
@@ -103,6 +107,9 @@ def bench(session: nox.Session) -> None:
     World size 2, gloo on CPU: torch's recipe, torch again (A/A), unscale_and_clip_ and
     unscale_and_clip_ with streaming statistics, interleaved in a balanced order on 1-D and 2-D
     meshes, then the scaling table. Prints the tables; writes .nox/bench/bench.{json,md,png}.
+    With ``-- --device cuda`` the step uses shardscale-triton's kernels where they are usable
+    (run again with SHARDSCALE_DISABLE_PLUGINS=shardscale-triton for ``foreach``; GPU speed of
+    the Triton kernels has not been measured yet).
     Extra arguments go to ``shardscale bench``, e.g. ``nox -s bench -- --quick`` or
     ``-- --from-json a.json b.json c.json --markdown`` (tables and ranges of earlier runs).
     """
@@ -140,7 +147,8 @@ def stress(session: nox.Session) -> None:
 def gpu(session: nox.Session) -> None:
     """CUDA/NCCL tests (world size 1) on a machine with a GPU, using that machine's CUDA torch.
 
-    Never part of CI: without CUDA every test it selects skips.
+    Never part of CI: without CUDA every test it selects skips. shardscale-triton's kernel
+    tests run here compiled on CUDA tensors (TRITON_INTERPRET must be unset).
     """
     session.install(*TEST_DEPS)
     session.install(*_package_dirs(frameworks=False))
@@ -152,6 +160,18 @@ def gpu(session: nox.Session) -> None:
     paths = [str(ROOT / "packages" / d / "tests") for d in DISTS if d not in FRAMEWORK_DISTS]
     paths.append(str(ROOT / "integration_tests"))
     session.run("pytest", "-m", "gpu", *paths, *session.posargs)
+
+
+@nox.session(python=PYTHON, venv_params=["--system-site-packages"])
+def bench_kernels(session: nox.Session) -> None:
+    """foreach vs Triton stats kernels vs torch's recipe on one CUDA GPU: time, launches, syncs.
+
+    Uses the machine's CUDA torch (like ``gpu``); never part of CI. ``-- --interpret`` is a CPU
+    smoke run of the script through Triton's interpreter (it measures nothing).
+    """
+    session.install(str(ROOT / "packages" / "shardscale-core"))
+    session.install(str(ROOT / "packages" / "shardscale-triton"))
+    session.run("python", str(ROOT / "benchmarks" / "triton_kernels.py"), *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -24,6 +24,7 @@ from shardscale.core import (
     ShardedGradScaler,
     StepConfig,
     get_registry,
+    hookimpl,
     run_step,
 )
 
@@ -231,3 +232,67 @@ def test_no_warning_in_an_ordinary_loop() -> None:
             _backward(model, scaler)
             scaler.step(opt)
             scaler.update()
+
+
+class _RecordingKernels:
+    """foreach kernels that record each ``tensor_norms`` call's p (highest priority on the CPU)."""
+
+    name = "recording-kernels"
+    priority = 1000
+
+    def __init__(self, *, safe: bool) -> None:
+        from shardscale.core import ForeachKernels
+
+        self._inner = ForeachKernels()
+        self.calls: list[float] = []
+        if safe:
+            self.overflow_safe_norms = True
+
+    def supports(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+    def unscale_and_check_(self, tensors: Any, found_inf: Any, inv_scale: Any) -> None:
+        self._inner.unscale_and_check_(tensors, found_inf, inv_scale)
+
+    def tensor_norms(self, tensors: Any, norm_type: float) -> torch.Tensor:
+        self.calls.append(norm_type)
+        return self._inner.tensor_norms(tensors, norm_type)
+
+    def mul_(self, tensors: Any, coef: torch.Tensor) -> None:
+        self._inner.mul_(tensors, coef)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_overflow_safe_kernels_are_read_once_for_every_p(dtype: torch.dtype) -> None:
+    # The optional StatsKernels attribute: kernels that keep powers from overflowing themselves
+    # are called once; the others get the engine's max read and a second, normalised read.
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=gen, dtype=dtype) for n in (3, 50, 7)]
+    exact = math.fsum(abs(v) ** 3 for g in grads for v in g.double().tolist()) ** (1 / 3)
+    registry = get_registry()
+    norms = {}
+    for safe in (False, True):
+        kernels = _RecordingKernels(safe=safe)
+        name = registry.register(_KernelsPlugin(kernels), name=f"recording-{safe}")
+        try:
+            for p in (3.0, 2.0):
+                kernels.calls.clear()
+                result = run_step(grads, _config(), apply=Apply.NOTHING, norm_type=p, as_grads=True)
+                norms[(safe, p)] = float(result.norm)  # type: ignore[arg-type]
+                plain = p == 2.0 and dtype is torch.float32
+                assert kernels.calls == ([p] if safe or plain else [math.inf, p])
+        finally:
+            registry.unregister(name)
+    # Both paths give the 3-norm within the rounding bound of 60 terms (see tolerances.py).
+    u = torch.finfo(torch.float32 if dtype is torch.float32 else dtype).eps / 2
+    for safe in (False, True):
+        assert abs(norms[(safe, 3.0)] - exact) <= (60 + 8) * u * 2 * exact + u * exact
+
+
+class _KernelsPlugin:
+    def __init__(self, kernels: object) -> None:
+        self.kernels = kernels
+
+    @hookimpl
+    def shardscale_stats_kernels(self) -> list[object]:
+        return [self.kernels]

@@ -185,7 +185,12 @@ class StatsKernels(Protocol):
         tensor. A non-finite element must make that tensor's entry non-finite
         (nan for nan), which is how the overflow check rides on the same read.
         The step engine keeps powers from overflowing (it normalises for
-        p other than 1, 2 and inf), so kernels compute plainly.
+        p other than 1, 2 and inf, and for float64 p = 2: a max read, a
+        division and a second read), so kernels compute plainly. Kernels that
+        already keep every power from overflowing in their one read may set
+        the optional class attribute ``overflow_safe_norms = True`` (read with
+        ``getattr``; absent means False): the engine then calls this once for
+        every p and dtype.
         """
         ...
 

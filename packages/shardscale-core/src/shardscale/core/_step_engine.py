@@ -61,6 +61,8 @@ never stepping on a wrong norm. For every other p, |g|^p overflows for
 ordinary values (p = 8 at scale 2^16 already does), so each tensor is first
 divided by its own max|g|: n_t = a_t·‖g_t/a_t‖_p, exact for any p at the
 cost of a second read of those gradients. p = inf is max|g|.
+Kernels that set ``overflow_safe_norms = True`` (the Triton kernels, which
+normalise per block inside their one read) are called once instead.
 """
 
 from __future__ import annotations
@@ -319,6 +321,10 @@ def read_tensor_norm(tensor: torch.Tensor, norm_type: float, config: StepConfig)
 
 def _tensor_norms(kernels: Any, tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
     """Per-tensor p-norms, 1-D, overflow-safe (see [Note: per-tensor norms without overflow])."""
+    if getattr(kernels, "overflow_safe_norms", False) is True:
+        # The kernels normalise inside their one read (StatsKernels' optional attribute).
+        safe: torch.Tensor = kernels.tensor_norms(tensors, p)
+        return safe
     if p in (1.0, 2.0) or math.isinf(p):
         if any(t.dtype is torch.float64 for t in tensors) and p == 2.0:
             return _normalised_norms(kernels, tensors, p)
