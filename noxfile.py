@@ -31,6 +31,7 @@ DISTS = [
     "shardscale-clip",
     "shardscale-fsdp",
     "shardscale-triton",
+    "shardscale-telemetry",
     "shardscale",
     "shardscale-lightning",
     "shardscale-accelerate",
@@ -39,6 +40,8 @@ DISTS = [
 # range around its pin). About 16-31 s to install both into a venv that has torch.
 FRAMEWORK_DISTS = ["shardscale-lightning", "shardscale-accelerate"]
 FRAMEWORKS = ["lightning==2.6.6", "accelerate==1.15.0"]
+# Extras the tests session installs with their distribution (the observers' own libraries).
+TEST_EXTRAS = {"shardscale-telemetry": "tensorboard,wandb"}
 # numpy: torch's own test-side tools (CommDebugMode, all_gather_object, DCP) import it.
 # hatchling: test_plugin_isolation builds the misbehaving plugin distributions offline
 # (pip --no-build-isolation) and installs them into a throwaway folder.
@@ -60,13 +63,18 @@ def _package_dirs(*, frameworks: bool = True) -> list[str]:
     return [str(ROOT / "packages" / d) for d in DISTS if frameworks or d not in FRAMEWORK_DISTS]
 
 
+def _with_test_extras(dirs: list[str]) -> list[str]:
+    return [d + (f"[{TEST_EXTRAS[Path(d).name]}]" if Path(d).name in TEST_EXTRAS else "")
+            for d in dirs]  # fmt: skip
+
+
 def _run_tests(session: nox.Session, torch_version: str) -> None:
     _install_torch(session, torch_version)
     session.install(*TEST_DEPS)
     # torch pinned in the same command: lightning/accelerate must not pull another torch.
     session.install(
         f"torch=={torch_version}",
-        *_package_dirs(),
+        *_with_test_extras(_package_dirs()),
         *(str(p) for p in TEST_PLUGINS),
         *FRAMEWORKS,
     )

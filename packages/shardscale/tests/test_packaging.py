@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 DISTS = ["shardscale-core", "shardscale-collectives", "shardscale-clip", "shardscale-fsdp",
-         "shardscale"]  # fmt: skip
+         "shardscale-telemetry", "shardscale"]  # fmt: skip
 # Not dependencies of shardscale: checked where installed (the tests session), skipped alone.
 INTEGRATIONS = ["shardscale-lightning", "shardscale-accelerate"]
 

@@ -203,9 +203,15 @@ class StatsKernels(Protocol):
 class StepRecord:
     """What happened in one scaler iteration, handed to ``shardscale_on_step``.
 
-    Values are 0-dim tensors on the scaler's device so that recording costs no
-    host-device synchronisation; call ``.item()`` in an observer if you need a
-    Python number. ``grad_norm`` is set when ``unscale_and_clip_`` ran.
+    Values are tensors on the scaler's device so that recording costs no
+    host-device synchronisation: an observer that needs Python numbers should
+    keep the records and read many at once (``shardscale.telemetry`` does).
+    ``scale``, ``growth_tracker`` and ``hysteresis_tracker`` are the values
+    *after* this update (``scale`` is what ``get_scale()`` returns now).
+    ``grad_norm`` is set when ``unscale_and_clip_`` ran. ``nonfinite_per_rank``
+    (1-D, one entry per rank of the scaler's process group) counts the local
+    gradients that held inf/nan on each rank, read from the step's all-reduce
+    (see ``StepResult.nonfinite_ranks``); ``None`` when no step engine ran.
     """
 
     step: int
@@ -214,3 +220,5 @@ class StepRecord:
     skipped: torch.Tensor
     growth_tracker: torch.Tensor
     grad_norm: torch.Tensor | None = None
+    hysteresis_tracker: torch.Tensor | None = None
+    nonfinite_per_rank: torch.Tensor | None = None

@@ -126,6 +126,17 @@ class _OptimizerState(dict[str, Any]):
         return total.clamp(max=1.0)
 
 
+def _nonfinite_per_rank(
+    iteration: list[tuple[weakref.ref[torch.optim.Optimizer], StepResult]],
+) -> torch.Tensor | None:
+    # Each engine step's reduced vector already holds every rank's count of non-finite
+    # gradients (see [Note: localisation rides on the step's read]): a slice, no host read.
+    counts = [r.vector[2 * r.world_size : 3 * r.world_size] for _, r in iteration]
+    if not counts or len({c.shape for c in counts}) != 1:
+        return None
+    return counts[0] if len(counts) == 1 else torch.stack(counts).sum(dim=0)
+
+
 class ShardedGradScaler:
     """Dynamic loss scaling for sharded and unsharded models.
 
@@ -659,6 +670,7 @@ class ShardedGradScaler:
         self._step_count += 1
         if found is not None and self._reg().has_step_observers():
             assert self._growth_tracker is not None
+            hyst = self._hysteresis_tracker
             record = StepRecord(
                 step=self._step_count,
                 scale=self._scale.clone() if self._scale is not None else scale,
@@ -666,6 +678,8 @@ class ShardedGradScaler:
                 skipped=found > 0,
                 growth_tracker=self._growth_tracker.clone(),
                 grad_norm=self._last_grad_norm,
+                hysteresis_tracker=hyst.clone() if hyst is not None else None,
+                nonfinite_per_rank=_nonfinite_per_rank(self._last_iteration),
             )
             self._reg().notify_step(record)
         self._last_grad_norm = None

@@ -1,4 +1,4 @@
-"""``shardscale plugins``: every registered backend, middleware, adapter and kernels, and whether it works here."""
+"""``shardscale plugins``: every registered backend, middleware, adapter, kernels and observer, and whether it works here."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def add_plugins_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def collect_plugins() -> dict[str, Any]:
-    """The listing as plain data: ``items``, ``plugins`` (modules), ``failures`` and ``disable``.
+    """The listing as plain data: ``items``, ``plugins`` (modules), ``observers``, ``failures``
+    and ``disable``.
 
     ``failures`` holds every plugin, hook or item that was set aside (one-line
     ``error`` and a ``fix``, never a traceback) or blocked; ``disable`` says what
@@ -70,6 +71,7 @@ def collect_plugins() -> dict[str, Any]:
             }
             for p in plugins
         ],
+        "observers": _observers(plugins),
         "failures": [
             {
                 "name": f.name,
@@ -93,6 +95,33 @@ def collect_plugins() -> dict[str, Any]:
     }
 
 
+def _observers(plugins: list[Any]) -> list[dict[str, Any]]:
+    # Observers implement shardscale_on_step and have no item names of their own; the
+    # telemetry distribution's plugin is listed as the observers it can write to.
+    out: list[dict[str, Any]] = []
+    for p in plugins:
+        if "shardscale_on_step" not in p.hooks:
+            continue
+        kinds: dict[str, str | None] = {p.name: None}
+        note: str | None = None
+        if p.distribution == "shardscale-telemetry":
+            try:
+                from shardscale.telemetry import ENV, observer_kinds
+            except ImportError:
+                pass
+            else:
+                kinds = observer_kinds()
+                note = f"off until {ENV} or telemetry.enable()"
+        for name, reason in kinds.items():
+            out.append({
+                "name": name, "plugin": p.name, "distribution": p.distribution,
+                "version": p.version, "usable": reason is None,
+                "reason": reason,
+                "note": note,
+            })  # fmt: skip
+    return out
+
+
 def run_plugins(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
     """Print the listing; exit status 1 when a plugin failed (blocked ones are fine)."""
     from shardscale.cli._ui import print_table
@@ -113,6 +142,17 @@ def run_plugins(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
             "yes" if it["usable"] else f"no: {it['reason']}",
         )
         for it in data["items"]
+    ] + [
+        (
+            ob["name"],
+            "observer",
+            ob["distribution"],
+            ob["version"] or "-",
+            ("yes" + (f" ({ob['note']})" if ob["note"] else ""))
+            if ob["usable"]
+            else f"no: {ob['reason']}",
+        )
+        for ob in data["observers"]
     ]
     print_table(
         "shardscale plugins",

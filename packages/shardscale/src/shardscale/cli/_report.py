@@ -18,6 +18,7 @@ from shardscale.cli._ui import UI_EXTRA_HINT, have_matplotlib, print_table
 
 __all__ = [
     "METRICS_FILE",
+    "STEPS_FILE",
     "PLOT_FILE",
     "LOGS_DIR",
     "result_file",
@@ -29,6 +30,8 @@ __all__ = [
 ]
 
 METRICS_FILE = "metrics.json"
+#: The scaler's per-step telemetry (shardscale.telemetry's JSONL observer), written by rank 0.
+STEPS_FILE = "steps.jsonl"
 PLOT_FILE = "training.png"
 LOGS_DIR = "logs"
 
@@ -44,7 +47,7 @@ def output_files(out_dir: Path, *, logs: bool) -> list[Path]:
     ``logs`` adds ``logs/rank*`` (the demo's per-rank logs and progress files).
     Half-written ``*.tmp`` files count too. Nothing else in the folder is listed.
     """
-    patterns = [METRICS_FILE, PLOT_FILE, "result-rank*.json", "*.json.tmp"]
+    patterns = [METRICS_FILE, STEPS_FILE, PLOT_FILE, "result-rank*.json", "*.json.tmp"]
     if logs:
         patterns += [f"{LOGS_DIR}/rank*.log", f"{LOGS_DIR}/rank*.progress*"]
     found: list[Path] = []

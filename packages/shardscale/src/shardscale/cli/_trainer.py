@@ -19,8 +19,9 @@ import ctypes
 import hashlib
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +31,8 @@ import torch.nn.functional as F
 from shardscale.cli._corpus import CharCorpus, load_corpus
 from shardscale.cli._distributed import DistContext, shard_model
 from shardscale.cli._model import ModelConfig, TinyGPT
-from shardscale.core import ShardedGradScaler, StepRecord, get_registry, hookimpl
+from shardscale.core import ShardedGradScaler
+from shardscale.telemetry import JsonlObserver, StepRow, Telemetry, enable
 
 __all__ = [
     "OPTION_RULES",
@@ -238,15 +240,25 @@ class TrainResult:
     first_overflow: str = ""
 
 
-class _StepRecorder:
-    """A ``shardscale_on_step`` observer plugin: remembers the last scaler record."""
+class _RowFeed:
+    """A telemetry observer that keeps the rows, for the loop's progress and history.
+
+    The demo's scale, skipped flag and gradient norm come from the same rows
+    the JSONL observer writes: one code path for the scaler's metrics.
+    """
 
     def __init__(self) -> None:
-        self.last: StepRecord | None = None
+        self.rows: list[StepRow] = []
 
-    @hookimpl
-    def shardscale_on_step(self, record: StepRecord) -> None:
-        self.last = record
+    def open(self, rank: int) -> None:
+        """Nothing to create."""
+
+    def write(self, rows: Sequence[StepRow]) -> None:
+        """Keep the rows."""
+        self.rows.extend(rows)
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 def _chain_name(backend: object) -> str:
@@ -340,8 +352,12 @@ def train(
     ctx: DistContext,
     *,
     on_step: Callable[[StepMetrics], None] | None = None,
+    steps_file: Path | None = None,
 ) -> TrainResult:
-    """Train the demo model; every rank calls this. ``on_step`` is called on every rank."""
+    """Train the demo model; every rank calls this. ``on_step`` is called on every rank.
+
+    ``steps_file``: where rank 0's JSONL telemetry observer writes one line per step.
+    """
     started = time.perf_counter()
     corpus = load_corpus()
     # Same seed everywhere: every rank builds the same full model before sharding it.
@@ -378,9 +394,14 @@ def train(
     dtype = PRECISIONS[cfg.precision]
     # Data parallel ranks draw different batches; TP peers (same dp coordinate) the same one.
     data_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17 + ctx.dp_rank)
-    recorder = _StepRecorder()
-    registry = get_registry()
-    plugin_name = registry.register(recorder, name=f"shardscale-demo-recorder-{id(recorder):x}")
+    # Every rank reads each step's row (the overflow report below is a collective), so every
+    # rank flushes each step: the one host read per step the progress display needs anyway.
+    feed = _RowFeed()
+    observers: list[Any] = [feed]
+    if ctx.is_main and steps_file is not None:
+        observers.append(JsonlObserver(steps_file))
+    session: Telemetry = enable(*observers, flush_every=1, ranks="all")
+    scale = scaler.get_scale()  # the first step's; later ones come from the rows
     history: list[StepMetrics] = []
     skipped_total = 0
     first_overflow = ""
@@ -391,17 +412,16 @@ def train(
                 group["lr"] = lr
             x, y = corpus.batch(data_gen, batch_size=cfg.batch_size, context=cfg.context)
             x, y = x.to(ctx.device), y.to(ctx.device)
-            scale = scaler.get_scale()
             if pipe is None:
                 loss = _loss(model, x, y, dtype)
                 scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
             else:
                 loss = pipe.step(x, y, scaler, dtype)
-            norm = unscale_and_clip_(scaler, optimizer, max_norm=cfg.max_norm)
+            unscale_and_clip_(scaler, optimizer, max_norm=cfg.max_norm)
             scaler.step(optimizer)
-            scaler.update()
-            record = recorder.last
-            skipped = bool(record.skipped.item()) if record is not None else False
+            scaler.update()  # the telemetry session flushes this step's row here
+            row = feed.rows[-1]
+            skipped = row.skipped
             if skipped and not first_overflow:
                 # Every rank knows the step was skipped (one decision), so every rank joins
                 # the report's gather; it must run before zero_grad frees the gradients.
@@ -412,17 +432,18 @@ def train(
                 step=step + 1,
                 loss=_mean_over_ranks(loss, ctx),
                 scale=scale,
-                grad_norm=float(norm.item()),
+                grad_norm=math.nan if row.grad_norm is None else row.grad_norm,
                 skipped=skipped,
                 skipped_total=skipped_total,
                 lr=lr,
                 elapsed_s=time.perf_counter() - started,
             )
             history.append(metrics)
+            scale = row.scale  # after this update: the next step's scale
             if on_step is not None:
                 on_step(metrics)
     finally:
-        registry.unregister(plugin_name)
+        session.close()
     backend_name = _chain_name(scaler.backend)
     if cfg.backend is None:
         backend_name += " (automatic)"

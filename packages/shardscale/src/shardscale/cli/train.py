@@ -11,8 +11,8 @@ Two nodes (run one command on each; ``HOST0`` is the first node's address)::
     torchrun --nnodes 2 --node-rank 1 --nproc-per-node 1 \\
         --rdzv-backend c10d --rdzv-endpoint HOST0:29500 -m shardscale.cli.train
 
-Rank 0 shows progress and writes ``metrics.json`` and ``training.png`` to
-``--out``; every rank writes ``result-rank<N>.json`` (final loss and a hash of
+Rank 0 shows progress and writes ``metrics.json``, ``steps.jsonl`` (the
+scaler's telemetry, one line per step) and ``training.png`` to ``--out``; every rank writes ``result-rank<N>.json`` (final loss and a hash of
 the full parameters, identical on every rank of a healthy run).
 """
 
@@ -244,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shardscale.cli._rankstatus import RankStatusWriter
     from shardscale.cli._report import (
         METRICS_FILE,
+        STEPS_FILE,
         render_report,
         result_file,
         scale_changes,
@@ -312,9 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if active:
             with view:
-                result = train(cfg, ctx, on_step=on_step)
+                result = train(cfg, ctx, on_step=on_step, steps_file=out_dir / STEPS_FILE)
         else:
-            result = train(cfg, ctx, on_step=on_step)
+            result = train(cfg, ctx, on_step=on_step, steps_file=out_dir / STEPS_FILE)
         status.update("writing results", cfg.steps)
         write_json(
             result_file(out_dir, ctx.rank),
@@ -369,6 +370,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 render_report(doc, out_dir, stream=sys.stdout)
         status.update("done", cfg.steps)
     finally:
+        # Sessions from SHARDSCALE_TELEMETRY write what they still hold (no collective).
+        from shardscale.telemetry import close_all
+
+        close_all()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
