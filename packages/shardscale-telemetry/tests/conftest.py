@@ -13,15 +13,18 @@ import pytest
 import torch
 
 from shardscale import telemetry
-from shardscale.core import ShardedGradScaler
+from shardscale.core import ShardedGradScaler, reset_registry
 
 
 @pytest.fixture(autouse=True)
 def no_sessions(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv(telemetry.ENV, raising=False)
     telemetry.reset()
+    # A test whose observer raised leaves the plugin set aside in the process's registry.
+    reset_registry()
     yield
     telemetry.reset()
+    reset_registry()
 
 
 @dataclass

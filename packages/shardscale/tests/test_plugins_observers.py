@@ -44,7 +44,7 @@ def test_telemetry_observers_and_an_in_process_observer_are_listed(
         table = [line.split() for line in capsys.readouterr().out.splitlines()]
         rows = {cells[0]: cells for cells in table if len(cells) > 2 and cells[1] == "observer"}
         assert set(rows) >= {"jsonl", "tensorboard", "wandb", "my-observer"}
-        assert rows["jsonl"][2] == "shardscale-telemetry" and rows["jsonl"][4] == "yes"
+        assert rows["jsonl"][3] == "shardscale-telemetry" and rows["jsonl"][5] == "yes"
     finally:
         reg.unregister(name)
         reset_registry()

@@ -146,6 +146,7 @@ def run_plugins(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
         (
             ob["name"],
             "observer",
+            "-",
             ob["distribution"],
             ob["version"] or "-",
             ("yes" + (f" ({ob['note']})" if ob["note"] else ""))
