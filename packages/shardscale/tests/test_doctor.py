@@ -100,3 +100,13 @@ def test_a_healthy_machine_really_steps_a_scaler(capsys, monkeypatch) -> None:
     assert "local" in findings["backend"]["detail"]
     assert findings["adapters"]["detail"].rstrip(")").endswith("shardscale-core")  # plain is last
     assert findings["kernels (cpu)"]["status"] == "ok"
+
+
+def test_a_bad_telemetry_setting_is_a_finding_with_its_own_fix(run_cli) -> None:
+    # doctor's scaler step reaches the telemetry observer, which rejects the variable; the
+    # finding carries the telemetry fix, not "reinstall the plugin".
+    proc = run_cli(["doctor", "--json"], env={"SHARDSCALE_TELEMETRY": "jsonl:a.jsonl,every=-1"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    bad = [f for f in _findings(proc.stdout) if f["status"] == "error"]
+    assert any("every='-1'" in f["detail"] for f in bad), bad
+    assert any("correct SHARDSCALE_TELEMETRY" in f["fix"] for f in bad), bad

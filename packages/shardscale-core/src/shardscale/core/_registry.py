@@ -333,7 +333,7 @@ class Registry:
             version,
             f"{it.kind} {it.name!r}: {stage}() raised {describe_exception(exc)}; it is no "
             "longer consulted in this process",
-            fix=failure_fix(it.plugin, dist),
+            fix=_own_fix(exc) or failure_fix(it.plugin, dist),
             stage=stage,
         )
         with self._lock:
@@ -789,3 +789,9 @@ def reset_registry() -> None:
     global _registry
     with _registry_lock:
         _registry = None
+
+
+def _own_fix(exc: BaseException) -> str | None:
+    # A plugin's exception may say what fixes it (a bad setting rather than a broken install).
+    fix = getattr(exc, "fix", None)
+    return fix if isinstance(fix, str) and fix else None

@@ -49,6 +49,12 @@ _SINK_RE = re.compile(r"^([A-Za-z_]+)(?::(.*))?$", re.DOTALL)
 class TelemetryConfigError(ValueError):
     """A telemetry setting (the environment variable or an ``enable`` argument) is invalid."""
 
+    #: Shown by ``shardscale plugins``/``doctor`` when the registry sets the observer aside.
+    fix = (
+        "correct SHARDSCALE_TELEMETRY as the message shows (or unset it to turn telemetry off); "
+        "`shardscale doctor` checks it"
+    )
+
 
 @dataclass(frozen=True, slots=True)
 class SinkSpec:
