@@ -26,31 +26,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from mp_harness import Pool
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardscale.core.testing import HostReadRecorder
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
-
-_SYNCING = {
-    "aten::_local_scalar_dense",
-    "aten::is_nonzero",
-    "aten::item",
-    "aten::equal",
-    "aten::allclose",
-}
-
-
-class HostReadDetector(TorchDispatchMode):
-    """Records every op that would make the host wait for a device value."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = func._schema.name
-        if name in _SYNCING:
-            self.seen.append(name)
-        return func(*args, **(kwargs or {}))
 
 
 def _fused_step_case(poison_rank: int, fused: bool) -> dict[str, Any]:
@@ -81,7 +60,7 @@ def _fused_step_case(poison_rank: int, fused: bool) -> dict[str, Any]:
             scaler.step(opt)
             scaler.update()
             continue
-        detector = HostReadDetector()
+        detector = HostReadRecorder()
         with detector:
             norm = unscale_and_clip_(scaler, opt, max_norm=0.5)
             scaler.step(opt)

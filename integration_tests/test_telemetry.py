@@ -28,7 +28,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from mp_harness import Pool
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardscale.core.testing import HostReadRecorder
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -43,7 +44,6 @@ from shardscale.telemetry import TENSORBOARD_TAGS  # noqa: E402
 STEPS = 7
 EVERY = 3
 POISON_STEP = 2  # 0-based: the third step, on rank 1 only
-_SYNCING = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::item", "aten::equal"}
 
 
 def _have_wandb() -> bool:
@@ -52,19 +52,6 @@ def _have_wandb() -> bool:
     except ImportError:
         return False
     return True
-
-
-class _HostReads(TorchDispatchMode):
-    """The ops that make the host wait for a device value (see test_no_host_sync)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func._schema.name in _SYNCING:
-            self.seen.append(func._schema.name)
-        return func(*args, **(kwargs or {}))
 
 
 def _fsdp_case(spec: str, wandb_dir: str | None) -> dict[str, Any]:
@@ -110,7 +97,7 @@ def _fsdp_case(spec: str, wandb_dir: str | None) -> dict[str, Any]:
                 grad = model[2].weight.grad
                 grad._local_tensor.view(-1)[0] = math.inf  # type: ignore[union-attr]
             before = len(tolists)
-            with _HostReads() as reads:
+            with HostReadRecorder() as reads:
                 unscale_and_clip_(scaler, opt, max_norm=0.5)
                 scaler.step(opt)
                 scaler.update()

@@ -24,7 +24,6 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import GradScalerKwargs
 from packaging.requirements import Requirement
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardscale.accelerate import (
     TESTED_ACCELERATE,
@@ -36,6 +35,7 @@ from shardscale.accelerate import (
     use_shardscale,
 )
 from shardscale.core import ShardedGradScaler
+from shardscale.core.testing import HostReadRecorder
 
 
 @pytest.fixture(autouse=True)
@@ -237,22 +237,6 @@ def test_clip_of_a_parameter_subset_is_the_subsets_global_norm() -> None:
     assert not acc.optimizer_step_was_skipped and scaler.get_scale() == 128.0
 
 
-_SYNCING = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::item", "aten::equal"}
-
-
-class _HostReads(TorchDispatchMode):
-    """Every op that would make the host wait for a device value (see test_no_host_sync.py)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func._schema.name in _SYNCING:
-            self.seen.append(func._schema.name)
-        return func(*args, **(kwargs or {}))
-
-
 def test_fused_backward_clip_and_step_read_nothing_on_the_host() -> None:
     acc = _accelerator()
     use_shardscale(acc)
@@ -262,7 +246,7 @@ def test_fused_backward_clip_and_step_read_nothing_on_the_host() -> None:
     model, opt = acc.prepare(model, opt)
     reads = []
     for step in range(3):
-        mode = _HostReads()
+        mode = HostReadRecorder()
         with mode:
             acc.backward(model(torch.randn(2, 4)).square().mean())
             acc.clip_grad_norm_(model.parameters(), 0.5)
@@ -270,7 +254,7 @@ def test_fused_backward_clip_and_step_read_nothing_on_the_host() -> None:
             opt.zero_grad()
         reads.append(mode.seen)
         if step == 2:
-            with _HostReads() as asked:
+            with HostReadRecorder() as asked:
                 assert not acc.optimizer_step_was_skipped
             assert len(asked.seen) == 1  # the skip flag, read only when asked
     assert reads[1:] == [[], []]  # the first step checks the backend chain once

@@ -21,9 +21,9 @@ import torch
 from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from packaging.requirements import Requirement
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardscale.core import ShardedGradScaler
+from shardscale.core.testing import HostReadRecorder
 from shardscale.lightning import ShardscalePrecision, hold_on_skipped_steps, is_held
 
 # -- what the plugin relies on in Lightning ---------------------------------------------------
@@ -118,21 +118,6 @@ def test_hold_refuses_what_is_not_a_scheduler() -> None:
 
 # -- a real Trainer in one process ------------------------------------------------------------
 
-_SYNCING = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::item", "aten::equal"}
-
-
-class _HostReads(TorchDispatchMode):
-    """Every op that would make the host wait for a device value (see test_no_host_sync.py)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func._schema.name in _SYNCING:
-            self.seen.append(func._schema.name)
-        return func(*args, **(kwargs or {}))
-
 
 class _Watched(ShardscalePrecision):
     """Records host reads inside every optimizer step after the first (the warm-up)."""
@@ -142,7 +127,7 @@ class _Watched(ShardscalePrecision):
         self.reads: list[list[str]] = []
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
-        mode = _HostReads()
+        mode = HostReadRecorder()
         with mode:
             out = super().optimizer_step(optimizer, model, closure, **kwargs)
         self.reads.append(mode.seen)

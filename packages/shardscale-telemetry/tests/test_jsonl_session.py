@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardscale import telemetry
 from shardscale.core import PluginWarning, get_registry
+from shardscale.core.testing import HostReadRecorder
 from shardscale.telemetry import JsonlObserver, StepRow, TelemetryConfigError
 
 
@@ -198,21 +198,6 @@ def test_env_session_flushes_at_interpreter_exit(tmp_path: Path) -> None:
 
 # -- no host read per step ------------------------------------------------------------------
 
-_SYNCING = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::item", "aten::equal"}
-
-
-class _HostReads(TorchDispatchMode):
-    """Counts the aten ops that make the host wait for a device value (see test_no_host_sync)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func._schema.name in _SYNCING:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
 
 def _fused_loop(steps: int) -> list[int]:
     # A fused optimizer: the scaler's own step makes no host read, so any read is telemetry's.
@@ -226,11 +211,11 @@ def _fused_loop(steps: int) -> list[int]:
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         scaler.scale(model(torch.randn(2, 6)).sum()).backward()
-        with _HostReads() as reads:
+        with HostReadRecorder() as reads:
             scaler.unscale_(opt, max_norm=1.0)
             scaler.step(opt)
             scaler.update()
-        per_step.append(reads.count if step else 0)  # step 0: the one-time chain check
+        per_step.append(len(reads.seen) if step else 0)  # step 0: the one-time chain check
     return per_step
 
 
