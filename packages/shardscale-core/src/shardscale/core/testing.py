@@ -29,14 +29,14 @@ HOST_READ_OPS: frozenset[str] = frozenset(
 )
 
 
-class HostReadRecorder(TorchDispatchMode):
+class HostReadRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Record each host-reading op that runs inside ``with HostReadRecorder() as rec:``.
 
     ``rec.seen`` lists the ops' schema names in the order they ran.
     """
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.seen: list[str] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
