@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,14 +48,34 @@ def records(path: Path) -> list[bytes]:
     return out
 
 
-def history(run_dir: Path) -> list[dict[str, Any]]:
+def _parsed(log: Path) -> list[Any]:
     from wandb.proto import wandb_internal_pb2 as pb
 
-    (log,) = run_dir.glob("run-*.wandb")
-    rows = []
+    out = []
     for raw in records(log):
         record = pb.Record()
         record.ParseFromString(raw)
+        out.append(record)
+    return out
+
+
+def history(run_dir: Path, *, timeout: float = 60.0) -> list[dict[str, Any]]:
+    """The run's history rows, read once W&B's writer has logged the run's end.
+
+    ``run.finish()`` returns when W&B's service has the run's records, which its
+    own process writes out to the file on its schedule: wait (up to ``timeout``
+    seconds) for the ``exit`` record, which comes after every history record.
+    """
+    (log,) = run_dir.glob("run-*.wandb")
+    deadline = time.monotonic() + timeout
+    parsed = _parsed(log)
+    while not any(r.WhichOneof("record_type") == "exit" for r in parsed):
+        if time.monotonic() > deadline:
+            break  # read what is there: the assertions on it say what is missing
+        time.sleep(0.2)
+        parsed = _parsed(log)
+    rows = []
+    for record in parsed:
         if record.WhichOneof("record_type") == "history":
             rows.append(
                 {
