@@ -29,6 +29,7 @@ same arithmetic whatever the compute dtype.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from typing import Any
 
 import pytest
@@ -161,7 +162,7 @@ def dense_params(model: MoE) -> list[nn.Parameter]:
 # -- layouts ------------------------------------------------------------------------------------
 
 
-class Setup:
+class Setup(ABC):
     """One rank's sharded model, its training step, and how to compare it with the reference."""
 
     distinct_dims: tuple[str, ...] = ()
@@ -171,18 +172,19 @@ class Setup:
     def __init__(self) -> None:
         self.distinct_params = []
 
-    def params(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+    @abstractmethod
+    def params(self) -> list[torch.Tensor]: ...
 
-    def forward_backward(self, scaler: Any, x: torch.Tensor, y: torch.Tensor) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def forward_backward(self, scaler: Any, x: torch.Tensor, y: torch.Tensor) -> None: ...
 
+    @abstractmethod
     def full_params(self) -> list[torch.Tensor]:
         """This rank's parameters as full tensors, in the order of ``ref_params``."""
-        raise NotImplementedError
+        ...
 
-    def ref_params(self, ref: nn.Module) -> list[torch.Tensor]:
-        raise NotImplementedError
+    @abstractmethod
+    def ref_params(self, ref: nn.Module) -> list[torch.Tensor]: ...
 
 
 def _sum_gradients(model: nn.Module) -> None:
