@@ -550,14 +550,18 @@ class Registry:
         """Every grad adapter, highest priority first (equal priorities: see the module Note)."""
         return [it.obj for it in self._ranked_adapters()[0]]
 
-    def _claims(self, it: _Item, param: torch.Tensor) -> bool:
+    def _ask(self, it: _Item, stage: str, arg: object) -> bool:
+        """``it.obj.<stage>(arg)``; a plugin that raises is set aside and answers no."""
         try:
-            return bool(it.obj.claims(param))
+            return bool(getattr(it.obj, stage)(arg))
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # see [Note: one bad plugin cannot break the house]
-            self._set_item_aside(it, "claims", exc)
+            self._set_item_aside(it, stage, exc)
             return False
+
+    def _claims(self, it: _Item, param: torch.Tensor) -> bool:
+        return self._ask(it, "claims", param)
 
     def adapter_for(self, param: torch.Tensor) -> GradAdapter:
         """The adapter that describes ``param``'s gradient."""
@@ -568,14 +572,7 @@ class Registry:
         else:
             ranked, rivals = self._ranked_adapters()
         for it in ranked:
-            try:
-                claimed = bool(it.obj.claims(param))
-            except KeyboardInterrupt:
-                raise
-            except BaseException as exc:  # see [Note: one bad plugin cannot break the house]
-                self._set_item_aside(it, "claims", exc)
-                continue
-            if not claimed:
+            if not self._claims(it, param):
                 continue
             same = [o for o in rivals.get(id(it), ()) if self._claims(o, param)] if rivals else []
             if same:
@@ -607,13 +604,7 @@ class Registry:
         )
 
     def _supports(self, it: _Item, device: torch.device) -> bool:
-        try:
-            return bool(it.obj.supports(device))
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # see [Note: one bad plugin cannot break the house]
-            self._set_item_aside(it, "supports", exc)
-            return False
+        return self._ask(it, "supports", device)
 
     def kernels_for(self, device: torch.device, name: str | None = None) -> StatsKernels:
         """The statistics kernels to use on ``device`` (or the one called ``name``)."""
