@@ -173,6 +173,9 @@ def _worker(rank: int, world: int, port: int, style: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         train(style)
+        # Every rank done communicating before any tears gloo down: a peer closing its
+        # connections while rank 0 still prints can abort rank 0's gloo threads (SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -184,6 +187,7 @@ def main() -> None:
     if "RANK" in os.environ:  # under torchrun
         dist.init_process_group("gloo")
         train(style)
+        dist.barrier()
         dist.destroy_process_group()
         return
     import socket
