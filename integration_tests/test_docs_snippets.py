@@ -1,31 +1,16 @@
 """Every Python code block in the docs and READMEs runs, so no snippet can teach something wrong.
 
-[Note: how a docs code block is run]
-Each fenced ```` ```python ```` block of ``README.md``, ``docs/*.md`` and
-``packages/*/README.md`` is one test case (id ``file:line`` of its fence). An
-HTML comment on the line directly above the fence says how it runs
-(``docs/contributing.md`` shows it to contributors):
+The ``<!-- run: ... -->`` markers that say how a block runs (python, torchrun N, cuda, no)
+are defined for contributors in ``docs/contributing.md``; ``parse_marker`` is their grammar.
 
-- no comment, or ``<!-- run: python -->``: a fresh ``python`` process runs
-  the block alone, in an empty temporary folder;
-- ``<!-- run: torchrun N -->``: ``python -m torch.distributed.run
-  --standalone --nproc-per-node N`` runs it on N CPU processes (gloo);
-- ``<!-- run: cuda, because REASON -->``: as ``python``, skipped without CUDA;
-- ``<!-- run: no, because REASON -->``: not run (a fragment, a signature,
-  another project's API); the reason is required.
-
-``python`` and ``torchrun N`` take ``with NAME.py``: the block runs after
-``from NAME import *`` of ``docs/snippets/NAME.py``, a visible stand-in for
-the names a "your code" snippet leaves to the reader (a model, a loader).
-Prefer a self-contained block; a setup file defines only those names.
-
-A block runs in its own process (a fresh interpreter per block): snippets
-initialise process groups, Accelerate's singletons, telemetry sessions and
-seeds, and none of that may leak into the next one; in-process ``exec``
-would also share this pytest process's imports and warnings filters. The
-script is padded so that its line numbers are the Markdown file's, so a
-traceback points at the docs line. W&B runs offline (``WANDB_MODE``): no
-snippet may need the network.
+[Note: why every docs block runs in a process of its own]
+Snippets initialise process groups, Accelerate's singletons, telemetry sessions and seeds;
+none of that may leak into the next block, and in-process ``exec`` would also share this
+pytest process's imports, warnings filters and environment with the reader's code. So each
+block is a script run by a fresh interpreter (two at a time, see ``_Launches``), padded so
+that its line N is line N of its Markdown file: a traceback points at the docs line. The cost
+is one torch import per block (about 3 s of CPU with the optimizer's first use), about 100 s
+of CPU for the whole module, so about 50 s on an idle 2-core machine.
 """
 
 from __future__ import annotations
@@ -35,6 +20,8 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,12 +31,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SETUP_DIR = ROOT / "docs" / "snippets"
 #: The files whose Python blocks must run (the READMEs PyPI shows, and every docs page).
-DOC_GLOBS = ("README.md", "docs/*.md", "packages/*/README.md")
+DOC_GLOBS = ("README.md", "docs/**/*.md", "packages/*/README.md")
 #: Seconds one block may take (a single-process block takes 2-10 s on a shared 2-core machine;
 #: a launch of 2 ranks about 10 s): past this it is a hang, not slowness.
 TIMEOUT_S = 150
 
-_FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*)$")
+_FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,}|:{3,})\s*(?P<info>[^`]*)$")
 _PYTHON_INFO = re.compile(r"^(python3?|py|\{code-block\}\s+python3?|\{code\}\s+python3?)\b")
 _MARKER = re.compile(r"^\s*<!--\s*run:(?P<body>.*?)-->\s*$")
 _SPEC = re.compile(
@@ -123,9 +110,9 @@ def extract(path: Path, text: str | None = None) -> tuple[list[Snippet], list[in
     i = 0
     while i < len(lines):
         if _MARKER.match(lines[i]) and not (
-            i + 1 < len(lines) and (f := _FENCE.match(lines[i + 1])) and _PYTHON_INFO.match(
-                f["info"].strip()
-            )
+            i + 1 < len(lines)
+            and (f := _FENCE.match(lines[i + 1]))
+            and _PYTHON_INFO.match(f["info"].strip())
         ):
             orphans.append(i + 1)
         opening = _FENCE.match(lines[i])
@@ -187,24 +174,78 @@ def _run(cmd: list[str], cwd: Path) -> tuple[int, str]:
     return proc.returncode, out.decode(errors="replace")
 
 
+def _command(snippet: Snippet, spec: RunSpec, folder: Path) -> list[str]:
+    name = snippet.id.replace("/", "_").replace(":", "_L").replace(".md", "") + ".py"
+    script = folder / name
+    script.write_text(script_text(snippet, spec), encoding="utf-8")
+    if spec.mode == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(spec.ranks), str(script)]  # fmt: skip
+    return [sys.executable, str(script)]
+
+
+def _should_run(spec: RunSpec) -> bool:
+    return spec.mode in ("python", "torchrun") or (
+        spec.mode == "cuda" and torch.cuda.is_available()
+    )
+
+
+class _Launches:
+    """Runs the selected blocks two at a time, in the order pytest will ask for them.
+
+    Most of a block's time is one interpreter importing torch, single-threaded: two at a time
+    keep both cores of a CI machine busy, so the module costs about half its serial time.
+    """
+
+    JOBS = 2
+
+    def __init__(self, snippets: list[Snippet], folder: Path) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=self.JOBS)
+        self._jobs: dict[str, Future[tuple[int, str]]] = {}
+        for i, snippet in enumerate(snippets):
+            try:
+                spec = parse_marker(snippet.marker)
+            except MarkerError:
+                continue  # its test case reports the marker
+            if _should_run(spec):
+                work = folder / f"block{i}"
+                work.mkdir()
+                self._jobs[snippet.id] = self._pool.submit(
+                    _run, _command(snippet, spec, work), work
+                )
+
+    def result(self, snippet: Snippet) -> tuple[int, str]:
+        return self._jobs[snippet.id].result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 SNIPPETS = all_snippets()
 
 
+@pytest.fixture(scope="module")
+def launches(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[_Launches]:
+    # Only the blocks this session selected (-k), in the order their cases run.
+    selected = [item.callspec.params["snippet"] for item in request.session.items
+                if isinstance(item, pytest.Function) and item.originalname == "test_docs_python_block_runs"]  # fmt: skip
+    runner = _Launches(selected, tmp_path_factory.mktemp("docs-snippets"))
+    try:
+        yield runner
+    finally:
+        runner.close()
+
+
 @pytest.mark.parametrize("snippet", SNIPPETS, ids=[s.id for s in SNIPPETS])
-def test_docs_python_block_runs(snippet: Snippet, tmp_path: Path) -> None:
+def test_docs_python_block_runs(snippet: Snippet, launches: _Launches) -> None:
     spec = parse_marker(snippet.marker)
     if spec.mode == "no":
         pytest.skip(f"not run: {spec.reason}")
-    if spec.mode == "cuda" and not torch.cuda.is_available():
+    if not _should_run(spec):
         pytest.skip(f"needs CUDA: {spec.reason}")
-    name = snippet.id.replace("/", "_").replace(":", "_L").replace(".md", "") + ".py"
-    script = tmp_path / name
-    script.write_text(script_text(snippet, spec), encoding="utf-8")
-    cmd = [sys.executable, str(script)]
-    if spec.mode == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(spec.ranks), str(script)]  # fmt: skip
-    rc, out = _run(cmd, tmp_path)
+    rc, out = launches.result(snippet)
     assert rc == 0, f"{snippet.id} ({spec.mode}) exited with {rc}:\n{out[-6000:]}"
 
 
@@ -213,13 +254,18 @@ def test_every_run_marker_precedes_a_python_block() -> None:
     assert not orphans, f"run markers not directly above a ```python fence: {orphans}"
 
 
-def test_every_docs_page_with_python_is_collected() -> None:
-    # The glob must not miss a page: every .md under docs/ is one level deep or an API page.
-    found = {s.path for s in SNIPPETS}
-    assert ROOT / "docs" / "pipeline.md" in found and ROOT / "README.md" in found
-    nested = [p for p in (ROOT / "docs").rglob("*.md") if p.parent != ROOT / "docs"]
-    missed = [p for p in nested if "```python" in p.read_text(encoding="utf-8")]
-    assert not missed, f"Python blocks in pages the docs test does not read: {missed}"
+def test_no_markdown_file_with_python_is_left_out() -> None:
+    # A new page or package README must not escape the globs above.
+    skip = {".git", ".nox", "_build", "node_modules", "build", "dist"}
+    pages = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in skip and not d.startswith(".venv")]
+        pages += [Path(folder) / f for f in files if f.endswith(".md")]
+    left_out = sorted(
+        p.relative_to(ROOT).as_posix() for p in set(pages) - set(doc_files()) if extract(p)[0]
+    )
+    assert not left_out, f"Markdown files with Python blocks that no glob reads: {left_out}"
+    assert ROOT / "docs" / "pipeline.md" in {s.path for s in SNIPPETS}
 
 
 MARKDOWN = """\
