@@ -162,15 +162,20 @@ def _env() -> dict[str, str]:
 
 
 def _run(cmd: list[str], cwd: Path) -> tuple[int, str]:
-    # A session of its own: a hung launch is stopped together with every worker it started.
+    # A session of its own, so that a hung block is stopped with everything it started: torchrun
+    # starts each worker in a session of its own too, and stops them when it gets SIGTERM.
     proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     try:
         out, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return -1, out.decode(errors="replace") + f"\n[killed after {TIMEOUT_S} s]"
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        return -1, out.decode(errors="replace") + f"\n[stopped after {TIMEOUT_S} s]"
     return proc.returncode, out.decode(errors="replace")
 
 
@@ -230,7 +235,8 @@ def launches(
 ) -> Iterator[_Launches]:
     # Only the blocks this session selected (-k), in the order their cases run.
     selected = [item.callspec.params["snippet"] for item in request.session.items
-                if isinstance(item, pytest.Function) and item.originalname == "test_docs_python_block_runs"]  # fmt: skip
+                if isinstance(item, pytest.Function) and item.module is request.module
+                and item.originalname == "test_docs_python_block_runs"]  # fmt: skip
     runner = _Launches(selected, tmp_path_factory.mktemp("docs-snippets"))
     try:
         yield runner
