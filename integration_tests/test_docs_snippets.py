@@ -36,7 +36,7 @@ DOC_GLOBS = ("README.md", "docs/**/*.md", "packages/*/README.md")
 #: a launch of 2 ranks about 10 s): past this it is a hang, not slowness.
 TIMEOUT_S = 150
 
-_FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,}|:{3,})\s*(?P<info>[^`]*)$")
+_FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,}|:{3,})\s*(?P<info>[^`]*)$")
 _PYTHON_INFO = re.compile(r"^(python3?|py|\{code-block\}\s+python3?|\{code\}\s+python3?)\b")
 _MARKER = re.compile(r"^\s*<!--\s*run:(?P<body>.*?)-->\s*$")
 _SPEC = re.compile(
@@ -122,7 +122,7 @@ def extract(path: Path, text: str | None = None) -> tuple[list[Snippet], list[in
         fence, indent = opening["fence"], len(opening["indent"])
         end = i + 1
         while end < len(lines) and not re.match(
-            rf"^ {{0,3}}{re.escape(fence[0])}{{{len(fence)},}}\s*$", lines[end]
+            rf"^ *{re.escape(fence[0])}{{{len(fence)},}}\s*$", lines[end]
         ):
             end += 1
         if _PYTHON_INFO.match(opening["info"].strip()):
