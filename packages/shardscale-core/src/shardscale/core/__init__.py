@@ -14,6 +14,7 @@ Quick start::
 
 from __future__ import annotations
 
+from shardscale.core._ema import update_averaged_model
 from shardscale.core._errors import (
     BackendUnavailableError,
     LayoutError,
@@ -22,7 +23,6 @@ from shardscale.core._errors import (
     PluginWarning,
     ShardscaleError,
 )
-from shardscale.core._ema import update_averaged_model
 from shardscale.core._foreach_kernels import ForeachKernels
 from shardscale.core._gradients import GradBuckets, collect_grads, optimizer_params
 from shardscale.core._held_scheduler import SkipAwareScheduler

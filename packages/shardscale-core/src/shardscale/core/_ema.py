@@ -62,9 +62,9 @@ def _average(
         averaged.multi_avg_fn(avgs, models, n)
     elif averaged.avg_fn is None:
         if avgs[0].device.type in _get_foreach_kernels_supported_devices():
-            get_swa_multi_avg_fn()(avgs, models, n)
+            get_swa_multi_avg_fn()(avgs, models, n)  # type: ignore[no-untyped-call]
         else:
-            swa = get_swa_avg_fn()
+            swa = get_swa_avg_fn()  # type: ignore[no-untyped-call]
             for a, m in zip(avgs, models, strict=True):
                 a.copy_(swa(a, m, n))
     else:

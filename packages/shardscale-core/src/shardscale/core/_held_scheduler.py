@@ -59,8 +59,7 @@ class _HostFlag:
         """The flag, waiting for its copy if needed (only for it, not for later work)."""
         if self._event is not None:
             self._event.synchronize()
-        skipped: bool = self._host.tolist()  # a host tensor: no dispatcher read
-        return skipped
+        return bool(self._host.tolist())  # a host tensor: tolist() is no dispatcher read
 
 
 class SkipAwareScheduler:

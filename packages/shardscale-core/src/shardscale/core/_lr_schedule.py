@@ -88,7 +88,7 @@ class ConstantSchedule(LRSchedule):
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
             raise ValueError(f"ConstantSchedule(steps=...) takes an int >= 0, got {self.steps!r}")
 
-    def lrs(self, taken: torch.Tensor, base_lrs: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def lrs(self, taken: torch.Tensor, base_lrs: torch.Tensor) -> torch.Tensor:
         done = (taken >= self.steps).to(base_lrs.dtype)
         return base_lrs * (self.factor + (1.0 - self.factor) * done)
 
@@ -109,7 +109,7 @@ class LinearSchedule(LRSchedule):
         _factor(self.end_factor, "end_factor", "LinearSchedule", low=0.0, high=1.0)
         _positive_int(self.steps, "steps", "LinearSchedule")
 
-    def lrs(self, taken: torch.Tensor, base_lrs: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def lrs(self, taken: torch.Tensor, base_lrs: torch.Tensor) -> torch.Tensor:
         t = taken.clamp(max=self.steps).to(base_lrs.dtype)
         slope = self.end_factor - self.start_factor
         return base_lrs * (self.start_factor + slope * t / self.steps)
@@ -130,7 +130,7 @@ class CosineSchedule(LRSchedule):
         _positive_int(self.steps, "steps", "CosineSchedule")
         _factor(self.min_lr, "min_lr", "CosineSchedule", low=0.0, high=math.inf)
 
-    def lrs(self, taken: torch.Tensor, base_lrs: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def lrs(self, taken: torch.Tensor, base_lrs: torch.Tensor) -> torch.Tensor:
         angle = math.pi * taken.to(base_lrs.dtype) / self.steps
         return self.min_lr + (base_lrs - self.min_lr) * (1 + torch.cos(angle)) / 2
 
@@ -146,7 +146,7 @@ class StepSchedule(LRSchedule):
         _positive_int(self.step_size, "step_size", "StepSchedule")
         _factor(self.gamma, "gamma", "StepSchedule", low=0.0, high=math.inf)
 
-    def lrs(self, taken: torch.Tensor, base_lrs: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def lrs(self, taken: torch.Tensor, base_lrs: torch.Tensor) -> torch.Tensor:
         periods = torch.div(taken, self.step_size, rounding_mode="floor").to(base_lrs.dtype)
         return base_lrs * torch.pow(self.gamma, periods)
 
@@ -160,7 +160,7 @@ class ExponentialSchedule(LRSchedule):
     def __post_init__(self) -> None:
         _factor(self.gamma, "gamma", "ExponentialSchedule", low=0.0, high=math.inf)
 
-    def lrs(self, taken: torch.Tensor, base_lrs: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def lrs(self, taken: torch.Tensor, base_lrs: torch.Tensor) -> torch.Tensor:
         return base_lrs * torch.pow(self.gamma, taken.to(base_lrs.dtype))
 
 
@@ -185,13 +185,16 @@ class WarmupSchedule(LRSchedule):
                 f"got {type(self.then).__name__}"
             )
 
-    def lrs(self, taken: torch.Tensor, base_lrs: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def lrs(self, taken: torch.Tensor, base_lrs: torch.Tensor) -> torch.Tensor:
         warm = LinearSchedule(start_factor=self.start_factor, steps=self.steps)
         after = self.then.lrs((taken - self.steps).clamp(min=0), base_lrs)
         return torch.where(taken < self.steps, warm.lrs(taken, base_lrs), after)
 
 
-_CAPTURABLE = (torch.optim.Adam, torch.optim.AdamW)  # AdamW subclasses Adam; both listed for clarity
+_CAPTURABLE = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+)  # AdamW subclasses Adam; both listed for clarity
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -275,7 +278,9 @@ class DeviceLRSchedule:
             # One host read per group at setup, never per step.
             base.append(float(initial) if not isinstance(initial, float) else initial)
         if not all(math.isfinite(b) and b >= 0 for b in base):
-            raise ValueError(f"DeviceLRSchedule: base learning rates must be finite and >= 0: {base}")
+            raise ValueError(
+                f"DeviceLRSchedule: base learning rates must be finite and >= 0: {base}"
+            )
         self.optimizer = optimizer
         self.schedule = schedule
         self._device = devices[0]
@@ -320,8 +325,7 @@ class DeviceLRSchedule:
 
     def state_dict(self) -> dict[str, Any]:
         """``{"taken_steps": int, "base_lrs": [float, ...]}`` (one host read: checkpoint time)."""
-        taken: int = self._taken.tolist()
-        return {"taken_steps": taken, "base_lrs": self._base.tolist()}
+        return {"taken_steps": int(self._taken.item()), "base_lrs": self._base.tolist()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; checked whole before anything changes."""
