@@ -264,6 +264,30 @@ def test_state_dict_round_trip_and_bad_state() -> None:
     ]
 
 
+def _f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def test_the_schedule_survives_loading_an_optimizer_checkpoint() -> None:
+    opt = _groups()
+    sched = DeviceLRSchedule(opt, ExponentialSchedule(gamma=0.5))
+    saved = opt.state_dict()
+    sched.step(skipped=torch.tensor(False))
+    opt.load_state_dict(saved)  # new param-group dicts holding the saved lr
+    sched.step(skipped=torch.tensor(False))
+    # Powers of two: the float32 results are exact roundings of base / 4.
+    assert [float(g["lr"]) for g in opt.param_groups] == [_f32(b / 4) for b in BASE_LRS]
+
+
+def test_a_float32_lr_tensor_of_the_users_is_kept() -> None:
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([param], lr=torch.tensor(0.1), fused=True)
+    mine = opt.param_groups[0]["lr"]
+    sched = DeviceLRSchedule(opt, ExponentialSchedule(gamma=0.5))
+    sched.step(skipped=torch.tensor(False))
+    assert opt.param_groups[0]["lr"] is mine and float(mine) == _f32(_f32(0.1) / 2)
+
+
 # -- the generic wrapper ---------------------------------------------------------------------
 
 

@@ -220,6 +220,16 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+def _usable_lr(lr: object, device: torch.device) -> bool:
+    return (
+        isinstance(lr, torch.Tensor)
+        and lr.dtype is torch.float32
+        and lr.device == device
+        and lr.numel() == 1
+        and not lr.requires_grad
+    )
+
+
 def _group_device(group: dict[str, Any]) -> torch.device:
     params = group["params"]
     if not params:
@@ -291,8 +301,9 @@ class DeviceLRSchedule:
         self._lrs: list[torch.Tensor] = []
         for group, device, b in zip(optimizer.param_groups, devices, base, strict=True):
             group.setdefault("initial_lr", b)
-            lr = torch.tensor(b, dtype=torch.float32, device=device)
-            group["lr"] = lr
+            lr = group["lr"]
+            if not _usable_lr(lr, device):  # a user's own float32 lr tensor is kept (aliases hold)
+                lr = torch.tensor(b, dtype=torch.float32, device=device)
             self._lrs.append(lr)
         self._write()
 
@@ -319,9 +330,19 @@ class DeviceLRSchedule:
         self._write()
 
     def _write(self) -> None:
+        groups = self.optimizer.param_groups
+        if len(groups) != len(self._lrs):
+            raise RuntimeError(
+                f"DeviceLRSchedule was made for {len(self._lrs)} param groups, the optimizer now "
+                f"has {len(groups)}; create the schedule after the last add_param_group()"
+            )
         values = self.schedule.lrs(self._taken, self._base)
-        for i, lr in enumerate(self._lrs):
+        for i, (group, lr) in enumerate(zip(groups, self._lrs, strict=True)):
             lr.copy_(values[i], non_blocking=True)
+            # optimizer.load_state_dict() builds new group dicts: put the schedule's lr back
+            # (an identity check on the host, no device read), as torch's schedulers rewrite it.
+            if group["lr"] is not lr:
+                group["lr"] = lr
 
     def state_dict(self) -> dict[str, Any]:
         """``{"taken_steps": int, "base_lrs": [float, ...]}`` (one host read: checkpoint time)."""
