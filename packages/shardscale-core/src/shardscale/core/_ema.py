@@ -7,13 +7,16 @@ steps would need a third read, of the skip flag. ``update_averaged_model``
 does the same arithmetic with both questions answered on the device: it runs
 the model's averaging function (``multi_avg_fn``, ``avg_fn`` or torch's SWA
 default, chosen exactly as ``update_parameters`` chooses) unconditionally and
-then keeps, per tensor, ``torch.where(skipped, before, where(n == 0, model,
-averaged))``; ``n_averaged`` grows by ``1 - skipped``. ``where`` selects, so
+then keeps, per tensor, what ``update_parameters`` would hold: the tensor as
+it was on a skipped step, the model's on the first taken one (``n == 0``),
+the average otherwise (two ``torch.where``: one before the averaging, one
+after); ``n_averaged`` grows by ``1 - skipped``. ``where`` selects, so
 the result is bit for bit what ``update_parameters`` gives after the same
 taken steps, and a discarded branch cannot leak a nan.
 
-The price: the averaged tensors are copied before each update (one extra read
-and write of them), in chunks of at most ``_CHUNK_ELEMENTS`` elements so the
+The price: what to keep is copied before each update (one extra read of the
+averaged and model tensors, one write) and selected after it (two reads, one
+write in place), in chunks of at most ``_CHUNK_ELEMENTS`` elements so the
 temporary memory stays small whatever the model's size.
 """
 
@@ -113,16 +116,18 @@ def update_averaged_model(
             f"the model {len(model_ts)}; pass the model the AveragedModel was made from"
         )
     first = n == 0
+    copy_model = first & take  # the first taken update copies the model, as torch's does
+    hold = first | ~take  # ... and it, like a skipped one, ignores the averaging's result
     pairs = [(a.detach(), m.detach().to(a.device)) for a, m in zip(avg_ts, model_ts, strict=True)]
     for chunk in _chunks(pairs):
         avgs = [a for a, _ in chunk]
         models = [m for _, m in chunk]
         device = avgs[0].device
-        before = [a.clone() for a in avgs]
+        cond_copy, cond_hold = copy_model.to(device), hold.to(device)
+        kept = [torch.where(cond_copy, m, a) for a, m in zip(avgs, models, strict=True)]
         _average(averaged, avgs, models, n.to(device))
-        keep, copy = (~take).to(device), first.to(device)
-        for a, m, b in zip(avgs, models, before, strict=True):
-            a.copy_(torch.where(keep, b, torch.where(copy, m, a)))
+        for a, k in zip(avgs, kept, strict=True):
+            torch.where(cond_hold, k, a, out=a)
     if not averaged.use_buffers:
         # torch keeps these buffers equal to the model's on every update: on taken ones here.
         for b_avg, b_model in zip(averaged.module.buffers(), model.buffers(), strict=True):

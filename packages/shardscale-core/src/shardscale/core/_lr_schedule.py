@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -185,10 +186,13 @@ class WarmupSchedule(LRSchedule):
                 f"got {type(self.then).__name__}"
             )
 
+    @functools.cached_property
+    def _warm(self) -> LinearSchedule:
+        return LinearSchedule(start_factor=self.start_factor, steps=self.steps)
+
     def lrs(self, taken: torch.Tensor, base_lrs: torch.Tensor) -> torch.Tensor:
-        warm = LinearSchedule(start_factor=self.start_factor, steps=self.steps)
         after = self.then.lrs((taken - self.steps).clamp(min=0), base_lrs)
-        return torch.where(taken < self.steps, warm.lrs(taken, base_lrs), after)
+        return torch.where(taken < self.steps, self._warm.lrs(taken, base_lrs), after)
 
 
 _CAPTURABLE = (
