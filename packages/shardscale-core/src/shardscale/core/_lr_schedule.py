@@ -195,15 +195,9 @@ class WarmupSchedule(LRSchedule):
         return torch.where(taken < self.steps, self._warm.lrs(taken, base_lrs), after)
 
 
-_CAPTURABLE = (
-    torch.optim.Adam,
-    torch.optim.AdamW,
-)  # AdamW subclasses Adam; both listed for clarity
-
-
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Refuse optimizers that cannot take a tensor ``lr`` without reading it on the host."""
-    if isinstance(optimizer, _CAPTURABLE):
+    if isinstance(optimizer, torch.optim.Adam):  # AdamW too: it subclasses Adam
         fix = "create it with fused=True (or capturable=True on a GPU)"
         ok = [bool(g.get("fused")) or bool(g.get("capturable")) for g in optimizer.param_groups]
     elif isinstance(optimizer, torch.optim.SGD):
