@@ -14,6 +14,7 @@ Quick start::
 
 from __future__ import annotations
 
+from shardscale.core._ema import update_averaged_model
 from shardscale.core._errors import (
     BackendUnavailableError,
     LayoutError,
@@ -24,8 +25,19 @@ from shardscale.core._errors import (
 )
 from shardscale.core._foreach_kernels import ForeachKernels
 from shardscale.core._gradients import GradBuckets, collect_grads, optimizer_params
+from shardscale.core._held_scheduler import SkipAwareScheduler
 from shardscale.core._hookspecs import ENTRY_POINT_GROUP, HOOK_KINDS, PROJECT, hookimpl
 from shardscale.core._local import LocalBackend
+from shardscale.core._lr_schedule import (
+    ConstantSchedule,
+    CosineSchedule,
+    DeviceLRSchedule,
+    ExponentialSchedule,
+    LinearSchedule,
+    LRSchedule,
+    StepSchedule,
+    WarmupSchedule,
+)
 from shardscale.core._middleware_base import MiddlewareBase
 from shardscale.core._overflow import OverflowReport
 from shardscale.core._plain_adapter import PlainTensorAdapter, is_fsdp1_param
@@ -53,6 +65,7 @@ from shardscale.core._registry import (
     reset_registry,
 )
 from shardscale.core._scaler import OptState, ScalerStateError, ShardedGradScaler
+from shardscale.core._skip_signal import SkipSource
 from shardscale.core._step_engine import (
     EPS,
     Apply,
@@ -72,6 +85,18 @@ __all__ = [
     "ShardedGradScaler",
     "OptState",
     "OverflowReport",
+    # consumers of the skip signal: schedules and averaged weights that hold on skipped steps
+    "SkipSource",
+    "SkipAwareScheduler",
+    "DeviceLRSchedule",
+    "LRSchedule",
+    "ConstantSchedule",
+    "LinearSchedule",
+    "CosineSchedule",
+    "StepSchedule",
+    "ExponentialSchedule",
+    "WarmupSchedule",
+    "update_averaged_model",
     # the step engine every caller goes through
     "run_step",
     "StepConfig",
