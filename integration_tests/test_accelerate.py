@@ -348,4 +348,6 @@ def test_expert_parallel_plain_tensors_clip_by_the_true_norm(pool2: Pool) -> Non
         assert len(rows) == 3
         for row in rows:
             # ours (float32 accumulation) against the float64 reference: one norm_rtol
-            assert row["ours"] == pytest.approx(row["true"], rel=norm_rtol(numel, torch.float32, 2.0))
+            assert row["ours"] == pytest.approx(
+                row["true"], rel=norm_rtol(numel, torch.float32, 2.0)
+            )

@@ -95,7 +95,8 @@ class Iteration:
         if len(self.norms) == 1:
             return self.norms[0]
         wide = torch.stack([n.to(torch.float64) for n in self.norms])
-        return torch.linalg.vector_norm(wide).to(self.norms[0].dtype)
+        combined: torch.Tensor = torch.linalg.vector_norm(wide).to(self.norms[0].dtype)
+        return combined
 
     def clear(self) -> None:
         self.unscaled.clear()

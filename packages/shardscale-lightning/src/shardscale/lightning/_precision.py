@@ -252,8 +252,10 @@ class ShardscalePrecision(FSDPPrecision):
             self._log(self._model)
 
     @staticmethod
-    def _trainer_optimizers(model: pl.LightningModule | torch.nn.Module) -> list[torch.optim.Optimizer]:
-        if not isinstance(model, pl.LightningModule) or model._trainer is None:
+    def _trainer_optimizers(
+        model: pl.LightningModule | torch.nn.Module,
+    ) -> list[torch.optim.Optimizer]:
+        if not isinstance(model, pl.LightningModule):
             return []
         return list(model.trainer.optimizers)
 
