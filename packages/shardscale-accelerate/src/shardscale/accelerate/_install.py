@@ -7,14 +7,19 @@ What it changes, on that instance only (see [Note: why a contract check]):
   uses it in ``backward``, hands it to every ``AcceleratedOptimizer`` it
   prepares, and saves/loads its ``state_dict`` in ``save_state``/``load_state``.
 * ``prepare_optimizer`` returns optimizers of a subclass,
-  :class:`ShardscaleAcceleratedOptimizer`, whose ``step_was_skipped`` comes from
-  the scaler's reduced skip flag, read only when asked (Accelerate derives it
-  from whether ``optimizer.step`` was called, which a fused optimizer always is).
-* ``unscale_gradients`` unscales whenever the scaler is enabled (Accelerate only
-  does on an fp16 ``native_amp`` device).
+  :class:`ShardscaleAcceleratedOptimizer`, whose ``step`` is ``scaler.step``
+  with ONE scaler update per iteration however many optimizers step (see
+  [Note: one update per iteration]), and whose ``step_was_skipped`` is that
+  optimizer's own skip flag, read only when asked (Accelerate derives it from
+  whether ``optimizer.step`` was called, which a fused optimizer always is).
+* ``backward`` first ends an iteration whose update is still pending.
+* ``unscale_gradients`` unscales each optimizer at most once per iteration,
+  whenever the scaler is enabled (Accelerate only does on an fp16
+  ``native_amp`` device).
 * ``clip_grad_norm_`` is ``unscale_and_clip_`` when the parameters are those of
   one prepared optimizer (one read, one collective, fused optimizers included),
-  else unscale + ``shardscale.clip.clip_grad_norm_``; both the true global norm.
+  else unscale every optimizer once + ``ShardedGradScaler.clip_grad_norm_``
+  (the scaler's whole configuration); both the true global norm.
 """
 
 from __future__ import annotations

@@ -14,6 +14,14 @@ a fused optimizer's gradients stay scaled, as with Lightning's own plugin. When
 the module overrides ``configure_gradient_clipping``, its call lands in
 :meth:`ShardscalePrecision.clip_grad_by_norm`, which clips with the global norm
 too (one more collective when the gradients were already unscaled).
+
+In manual optimization (``automatic_optimization = False``) the module calls
+``self.manual_backward``, ``self.clip_gradients(opt, ...)`` and ``opt.step()``
+itself, with the ``LightningOptimizer`` wrappers ``self.optimizers()`` returns;
+the plugin keys everything by the optimizer a wrapper holds (the one
+``opt.step()`` hands it), so the clip is the unscale (``unscale_and_clip_``) and
+the step does not unscale again. With several optimizers the scaler's update
+waits for the iteration to end: [Note: one update per iteration].
 """
 
 from __future__ import annotations
