@@ -34,7 +34,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 from shardscale.accelerate._contract import check_accelerate
-from shardscale.accelerate._iteration import Iteration, step_and_flag
+from shardscale.accelerate._iteration import Iteration, inner, step_and_flag
 from shardscale.clip import unscale_and_clip_
 from shardscale.core import ShardedGradScaler, optimizer_params
 
@@ -92,12 +92,6 @@ class ShardscaleAcceleratedOptimizer(AcceleratedOptimizer):  # type: ignore[misc
         return bool(flag) if flag is not None else False
 
 
-def _inner(optimizer: Any) -> torch.optim.Optimizer:
-    while isinstance(optimizer, AcceleratedOptimizer):
-        optimizer = optimizer.optimizer
-    return optimizer  # type: ignore[no-any-return]
-
-
 def _iteration(accelerator: Accelerator) -> Iteration:
     it: Iteration = accelerator.__dict__["_shardscale_iteration"]
     return it
@@ -131,7 +125,7 @@ def _unscale_gradients(self: Accelerator, optimizer: Any = None) -> None:
     else:
         optimizers = [optimizer]
     it = _iteration(self)
-    for opt in map(_inner, optimizers):
+    for opt in map(inner, optimizers):
         if id(opt) in it.stepped:
             it.end()
         if id(opt) not in it.unscaled:  # each optimizer once per iteration, as torch requires
@@ -149,7 +143,7 @@ def _clip_grad_norm_(
     wanted = {id(p) for p in params if p.grad is not None}
     if wanted:
         for prepared in self._optimizers:
-            opt = _inner(prepared)
+            opt = inner(prepared)
             if {id(p) for p in optimizer_params(opt) if p.grad is not None} != wanted:
                 continue
             if id(opt) in it.stepped:
@@ -255,9 +249,7 @@ def use_shardscale(
         options.setdefault("enabled", accelerator.mixed_precision == "fp16")
         scaler = ShardedGradScaler(accelerator.device.type, **options)
     accelerator.scaler = scaler
-    accelerator.__dict__["_shardscale_iteration"] = Iteration(
-        scaler, lambda: [_inner(opt) for opt in accelerator._optimizers]
-    )
+    accelerator.__dict__["_shardscale_iteration"] = Iteration(scaler, accelerator._optimizers)
     # Instance attributes shadow the class's methods for this accelerator only.
     accelerator.prepare_optimizer = types.MethodType(_prepare_optimizer, accelerator)  # type: ignore[method-assign]
     accelerator.backward = types.MethodType(_backward, accelerator)  # type: ignore[method-assign]

@@ -25,14 +25,14 @@ optimizers' steps asks the right question.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
+from accelerate.optimizer import AcceleratedOptimizer
 
 from shardscale.core import ShardedGradScaler, optimizer_params
 
-__all__ = ["Iteration", "step_and_flag"]
+__all__ = ["Iteration", "inner", "step_and_flag"]
 
 
 def step_and_flag(
@@ -68,20 +68,25 @@ def step_and_flag(
     return out, seen[0]
 
 
+def inner(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer an ``AcceleratedOptimizer`` wraps."""
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer  # type: ignore[no-any-return]
+
+
 class Iteration:
     """What happened since the scaler's last update (see [Note: one update per iteration])."""
 
-    def __init__(
-        self, scaler: ShardedGradScaler, optimizers: Callable[[], list[torch.optim.Optimizer]]
-    ) -> None:
+    def __init__(self, scaler: ShardedGradScaler, prepared: list[Any]) -> None:
         self.scaler = scaler
-        self.optimizers = optimizers
+        self.prepared = prepared  # the Accelerator's own list: optimizers prepared later too
         self.unscaled: set[int] = set()
         self.stepped: dict[int, torch.Tensor | None] = {}
 
     def due(self) -> bool:
         """Whether a prepared optimizer has still to step before the update."""
-        for opt in self.optimizers():
+        for opt in map(inner, self.prepared):
             if id(opt) in self.stepped:
                 continue
             if id(opt) in self.unscaled:
