@@ -151,7 +151,8 @@ def _clip_grad_norm_(
             if id(opt) not in it.unscaled:
                 # The usual case (clip_grad_norm_(model.parameters(), ...)): one fused pass.
                 norm = unscale_and_clip_(scaler, opt, float(max_norm), float(norm_type))
-                it.unscaled.add(id(opt))
+                if scaler.is_enabled():  # a disabled scaler's iterations are never recorded
+                    it.unscaled.add(id(opt))
                 return norm
     # Several optimizers' parameters, a subset, or gradients already unscaled: unscale every
     # optimizer once (as Accelerate does), then clip exactly these with the scaler's config.
