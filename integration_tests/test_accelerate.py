@@ -198,3 +198,156 @@ def test_torch_scaler_fused_adamw_reports_no_skip(pool2: Pool) -> None:
         # ... but Accelerate says no step was skipped, and the scheduler advanced on them.
         assert not any(r["skipped"] for r in rows)
         assert rows[-1]["sched"] == 2 * STEPS
+
+
+# -- two optimizers, against a hand-written torch loop ------------------------------------------
+#
+# The user's loop: accelerator.backward, accelerator.clip_grad_norm_(model.parameters()) over both
+# optimizers' parameters, then both steps. The reference is torch's recipe for several
+# optimizers, in the same process on the same data: DDP (what Accelerate's MULTI_CPU prepares),
+# unscale_ each, ONE clip_grad_norm_ of the true norm (DDP averaged the gradients), step each,
+# ONE update.
+
+LR = 0.1
+
+
+def _two_optimizers(net: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    # The second one fused: it unscales inside its step from the scaler's grad_scale.
+    return [
+        torch.optim.SGD(net[0].parameters(), lr=LR),
+        torch.optim.SGD(net[2].parameters(), lr=LR, fused=True),
+    ]
+
+
+def _net() -> torch.nn.Sequential:
+    torch.manual_seed(0)  # identical initial weights on every rank and in both loops
+    return torch.nn.Sequential(torch.nn.Linear(DIM, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def _batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + dist.get_rank())  # each rank its own data
+    return [torch.randn(8, DIM, generator=g) for _ in range(STEPS)]
+
+
+def _step_loss(model: Any, x: torch.Tensor, step: int) -> torch.Tensor:
+    loss = (model(x) - 1.0).pow(2).mean()
+    return loss * math.inf if INJECT.get(step) == dist.get_rank() else loss
+
+
+def _two_optimizer_case() -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from shardscale.accelerate import use_shardscale
+
+    acc = _fresh_accelerator()
+    use_shardscale(acc, init_scale=INIT_SCALE)
+    net = _net()
+    model, *opts = acc.prepare(net, *_two_optimizers(net))
+    ours = []
+    for step, x in enumerate(_batches()):
+        acc.backward(_step_loss(model, x, step))
+        norm = acc.clip_grad_norm_(model.parameters(), CLIP)
+        for opt in opts:
+            opt.step()
+        for opt in opts:
+            opt.zero_grad()
+        ours.append({"scale": acc.scaler.get_scale(), "norm": float(norm),
+                     "flags": [opt.step_was_skipped for opt in opts],
+                     "skipped": acc.optimizer_step_was_skipped})  # fmt: skip
+    ref_net = _net()
+    ref_model = DistributedDataParallel(ref_net)
+    ref_opts = _two_optimizers(ref_net)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    ref = []
+    for step, x in enumerate(_batches()):
+        scaler.scale(_step_loss(ref_model, x, step)).backward()
+        for opt in ref_opts:
+            scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(ref_net.parameters(), CLIP)
+        before = scaler.get_scale()
+        for opt in ref_opts:
+            scaler.step(opt)
+        scaler.update()
+        for opt in ref_opts:
+            opt.zero_grad()
+        ref.append({"scale": scaler.get_scale(), "norm": float(norm),
+                    "skipped": scaler.get_scale() < before})  # fmt: skip
+    return {"ours": ours, "torch": ref, "params": _params(net), "ref_params": _params(ref_net)}
+
+
+def test_two_optimizers_match_torch(pool2: Pool) -> None:
+    results = pool2.run(_two_optimizer_case)
+    numel = sum(p.numel() for p in results[0]["params"])
+    rtol = 4 * norm_rtol(numel, torch.float32, 2.0)  # ours and torch's, each within the bound
+    # float32 throughout (no fp16 autocast on CPU): the loops differ only in the norm's rounding
+    # and the clip coefficient's, clipped_grad_rtol; each step moves a weight by at most
+    # lr * CLIP, the next gradient's sensitivity to the gap at most doubles it, so the weights
+    # agree within 2 * STEPS * lr * CLIP * rtol. (The second optimizer unscaled twice moves its
+    # weights lr * CLIP / scale instead of lr * CLIP: far outside.)
+    atol = 2 * STEPS * LR * CLIP * clipped_grad_rtol(numel, torch.float32, 2.0)
+    for rank, res in enumerate(results):
+        ours, ref = res["ours"], res["torch"]
+        # The same scale history as torch's: one backoff per overflowing step.
+        assert [r["scale"] for r in ours] == [r["scale"] for r in ref], (rank, ours, ref)
+        assert [i for i, r in enumerate(ref) if r["skipped"]] == sorted(INJECT)
+        for o, t in zip(ours, ref, strict=True):
+            assert o["skipped"] == t["skipped"] and o["flags"] == [t["skipped"]] * 2, (rank, o)
+            if not t["skipped"]:
+                assert t["norm"] > CLIP  # clipping acts
+                assert o["norm"] == pytest.approx(t["norm"], rel=rtol)
+        for a, b in zip(res["params"], res["ref_params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0.0, atol=atol)
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+# -- plain-tensor expert parallelism through clip_grad_norm_ ------------------------------------
+#
+# No DDP (only the optimizers are prepared): `shared` sees the same batch on both ranks
+# (identical gradients, counted once), `expert` is each rank's own, declared in distinct_params
+# and stepped by its own optimizer. clip_grad_norm_ over both optimizers' parameters is the
+# "clip with the scaler's configuration" path.
+
+
+def _expert_case() -> list[dict[str, float]]:
+    from shardscale.accelerate import use_shardscale
+
+    acc = _fresh_accelerator()
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(DIM, 4)
+    torch.manual_seed(10 + dist.get_rank())
+    expert = torch.nn.Linear(DIM, 4)
+    scaler = use_shardscale(acc, init_scale=INIT_SCALE, distinct_params=expert.parameters())
+    opts = acc.prepare(
+        torch.optim.SGD(shared.parameters(), lr=LR), torch.optim.SGD(expert.parameters(), lr=LR)
+    )
+    g = torch.Generator().manual_seed(7)
+    mine = torch.Generator().manual_seed(100 + dist.get_rank())
+    rows = []
+    for _ in range(3):
+        same, own = torch.randn(8, DIM, generator=g), torch.randn(8, DIM, generator=mine)
+        acc.backward((shared(same) - 1).pow(2).mean() + (expert(own) - 1).pow(2).mean())
+
+        def sq(module: torch.nn.Module) -> torch.Tensor:
+            return sum(p.grad.double().pow(2).sum() for p in module.parameters())  # type: ignore[union-attr,return-value]
+
+        experts = sq(expert)
+        dist.all_reduce(experts)
+        true = float((sq(shared) + experts).sqrt()) / scaler.get_scale()
+        norm = acc.clip_grad_norm_([*shared.parameters(), *expert.parameters()], CLIP)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        rows.append({"true": true, "ours": float(norm)})
+    return rows
+
+
+def test_expert_parallel_plain_tensors_clip_by_the_true_norm(pool2: Pool) -> None:
+    numel = 2 * (DIM * 4 + 4)
+    for rows in pool2.run(_expert_case):
+        assert len(rows) == 3
+        for row in rows:
+            # ours (float32 accumulation) against the float64 reference: one norm_rtol
+            assert row["ours"] == pytest.approx(
+                row["true"], rel=norm_rtol(numel, torch.float32, 2.0)
+            )

@@ -344,3 +344,239 @@ def test_lightning_own_plugins_show_what_is_fixed(pool2: Pool) -> None:
         fused_clip, fsdp2_clip = res["errors"]
         assert fused_clip is not None and "does not allow for gradient clipping" in fused_clip
         assert fsdp2_clip is not None and "not supported" in fsdp2_clip
+
+
+# -- manual optimization, one and two optimizers, against a hand-written torch loop -----------
+#
+# The user's loop: manual_backward, self.clip_gradients(opt, CLIP, "norm") on each optimizer,
+# then opt.step() on each. The reference is torch's own recipe for several optimizers, in the
+# same process on the same data: scaler.unscale_ + clip_grad_norm_ (DDP averaged the gradients,
+# so the local norm is the true one) per optimizer, scaler.step each, ONE scaler.update().
+
+MANUAL_LR = 0.1
+
+
+def _manual_optimizers(net: torch.nn.Module, count: int) -> list[torch.optim.Optimizer]:
+    if count == 1:
+        return [torch.optim.SGD(net.parameters(), lr=MANUAL_LR)]
+    # Two optimizers, the second fused: it unscales inside its step from the scaler's grad_scale.
+    return [
+        torch.optim.SGD(net[0].parameters(), lr=MANUAL_LR),
+        torch.optim.SGD(net[2].parameters(), lr=MANUAL_LR, fused=True),
+    ]
+
+
+def _manual_loss(net: torch.nn.Module, x: torch.Tensor, step: int) -> torch.Tensor:
+    loss = (net(x).float() - 1.0).pow(2).mean()
+    return loss * math.inf if INJECT.get(step) == dist.get_rank() else loss
+
+
+class _Manual(pl.LightningModule):
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # the torch loop builds the same weights
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(DIM, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+        )
+        self.count = count
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opts = self.optimizers()
+        opts = opts if isinstance(opts, list) else [opts]
+        self.manual_backward(_manual_loss(self.net, batch[0], batch_idx))
+        for opt in opts:
+            self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+        for opt in opts:
+            opt.step()
+        for opt in opts:
+            opt.zero_grad()
+
+    def configure_optimizers(self) -> Any:
+        return _manual_optimizers(self.net, self.count)
+
+
+class _ManualRecorder(pl.Callback):
+    def __init__(self, plugin: Any) -> None:
+        self.plugin = plugin
+        self.rows: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        logged = {k: float(v) for k, v in trainer.callback_metrics.items() if "shardscale" in k}
+        flags = [self.plugin.step_was_skipped(opt) for opt in trainer.optimizers]
+        self.rows.append(
+            {"scale": self.plugin.scaler.get_scale(), "logged": logged,
+             "flags": [bool(f) for f in flags if f is not None]}
+        )  # fmt: skip
+
+
+def _torch_manual_loop(count: int, loader: Any) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(DIM, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    model = DistributedDataParallel(net)
+    opts = _manual_optimizers(net, count)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    rows = []
+    for step, (x,) in enumerate(loader):
+        with torch.autocast("cpu", dtype=torch.float16):  # what the plugin's training_step runs in
+            loss = _manual_loss(model, x, step)
+            scaler.scale(loss).backward()
+        norms = []
+        for opt in opts:
+            scaler.unscale_(opt)
+            params = [p for g in opt.param_groups for p in g["params"]]
+            norms.append(torch.nn.utils.clip_grad_norm_(params, CLIP))
+        before = scaler.get_scale()
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
+        for opt in opts:
+            opt.zero_grad()
+        norm = float(torch.linalg.vector_norm(torch.stack(norms).double()))
+        rows.append({"scale": scaler.get_scale(), "skipped": scaler.get_scale() < before,
+                     "norm": norm})  # fmt: skip
+    return {"rows": rows, "params": [p.detach().clone() for p in net.parameters()]}
+
+
+def _manual_case(count: int) -> dict[str, Any]:
+    from shardscale.lightning import ShardscalePrecision
+
+    _launch_env()
+    rank = dist.get_rank()
+    plugin = ShardscalePrecision("16-mixed", device="cpu", init_scale=INIT_SCALE)
+    rec = _ManualRecorder(plugin)
+    model = _Manual(count)
+    # In manual optimization global_step counts optimizer steps: `count` per batch.
+    trainer = _trainer(plugin, "ddp", STEPS * count, rec)
+    trainer.fit(model, _loader(rank, STEPS))
+    ours = {"rows": rec.rows, "params": [p.detach().clone() for p in model.net.parameters()]}
+    return {"ours": ours, "torch": _torch_manual_loop(count, _loader(rank, STEPS))}
+
+
+def _check_manual(results: list[dict[str, Any]]) -> None:
+    numel = sum(p.numel() for p in results[0]["torch"]["params"])
+    # The two loops differ only in how the norm is rounded (each within norm_rtol, float32
+    # accumulation) and, through weights one float32 ulp apart, in an fp16 rounding of the
+    # forward (one fp16 eps): clipped_grad_rtol of fp16 covers both. Each step moves a weight by
+    # at most lr * CLIP, the next gradient's sensitivity to the gap at most doubles it, so after
+    # STEPS steps the weights agree within 2 * STEPS * lr * CLIP * rtol. (A double unscale or a
+    # missing clip moves them by about lr * CLIP per step: 40x more than this.)
+    atol = 2 * STEPS * MANUAL_LR * CLIP * clipped_grad_rtol(numel, torch.float16, 2.0)
+    rtol = 4 * norm_rtol(numel, torch.float32, 2.0)
+    for rank, res in enumerate(results):
+        ours, ref = res["ours"]["rows"], res["torch"]["rows"]
+        assert len(ours) == len(ref) == STEPS
+        # The same scale history as torch's: one backoff per overflowing step, nothing else.
+        assert [r["scale"] for r in ours] == [r["scale"] for r in ref], (rank, ours, ref)
+        skipped = [i for i, r in enumerate(ref) if r["skipped"]]
+        assert skipped == sorted(INJECT)
+        for i, (o, t) in enumerate(zip(ours, ref, strict=True)):
+            # Every optimizer's own flag and the logged flag say the same as torch.
+            assert o["flags"] and all(f == t["skipped"] for f in o["flags"]), (rank, i, o)
+            assert o["logged"]["shardscale/skipped"] == float(t["skipped"])
+            assert o["logged"]["shardscale/scale"] == t["scale"]
+            if not t["skipped"]:
+                assert t["norm"] > CLIP  # clipping acts on every clean step
+                # The logged norm is the 2-norm over the optimizers clipped, each the true norm.
+                assert o["logged"]["shardscale/grad_norm"] == pytest.approx(t["norm"], rel=rtol)
+        for a, b in zip(res["ours"]["params"], res["torch"]["params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0.0, atol=atol)
+    for a, b in zip(results[0]["ours"]["params"], results[1]["ours"]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_manual_optimization_one_optimizer_matches_torch(pool2: Pool) -> None:
+    _check_manual(pool2.run(_manual_case, 1))
+
+
+def test_manual_optimization_two_optimizers_match_torch(pool2: Pool) -> None:
+    _check_manual(pool2.run(_manual_case, 2))
+
+
+# -- plain-tensor expert parallelism: the clip of already-unscaled gradients --------------------
+#
+# ModelParallelStrategy without fully_shard: plain parameters, nothing all-reduced. `shared`
+# sees the same batch on both ranks (identical gradients: a replica, counted once); `expert` is
+# each rank's own (declared in distinct_params: counted on every rank). A module that overrides
+# configure_gradient_clipping gets its gradients unscaled before the hook, so its clip is the
+# plugin's "clip with the scaler's configuration" path.
+
+
+class _Experts(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = torch.nn.Linear(DIM, 4)
+        torch.manual_seed(10 + dist.get_rank())  # each rank its own expert
+        self.expert = torch.nn.Linear(DIM, 4)
+        self.seen: list[float] = []
+
+    def configure_model(self) -> None:
+        pass  # plain tensors: ModelParallelStrategy only asks that the hook exists
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(batch_idx)
+        same = torch.randn(BATCH, DIM, generator=g)  # identical on every rank
+        return (self.shared(same).float() - 1.0).pow(2).mean() + (
+            self.expert(batch[0]).float() - 1.0
+        ).pow(2).mean()
+
+    def on_after_backward(self) -> None:
+        # The true norm, by hand: the shared part once, every rank's expert.
+        scale = self.trainer.precision_plugin.scaler.get_scale()
+
+        def sq(module: torch.nn.Module) -> torch.Tensor:
+            return sum(p.grad.double().pow(2).sum() for p in module.parameters())  # type: ignore[union-attr,return-value]
+
+        experts = sq(self.expert)
+        dist.all_reduce(experts)
+        self.seen.append(float((sq(self.shared) + experts).sqrt()) / scale)
+
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+    ) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=MANUAL_LR)
+
+
+def _expert_case() -> dict[str, Any]:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from shardscale.lightning import ShardscalePrecision
+
+    _launch_env()
+    model = _Experts()
+    plugin = ShardscalePrecision(
+        "16-mixed", device="cpu", init_scale=INIT_SCALE, distinct_params=model.expert.parameters()
+    )
+    norms = _Norms(plugin)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, plugins=[plugin], max_steps=3, logger=False,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, callbacks=[norms],
+    )  # fmt: skip
+    trainer.fit(model, _loader(dist.get_rank(), 3))
+    return {"true": model.seen, "ours": norms.norms}
+
+
+class _Norms(pl.Callback):
+    def __init__(self, plugin: Any) -> None:
+        self.plugin = plugin
+        self.norms: list[float] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.norms.append(float(self.plugin.grad_norm))
+
+
+def test_expert_parallel_plain_tensors_clip_by_the_true_norm(pool2: Pool) -> None:
+    numel = 2 * (DIM * 4 + 4)
+    for res in pool2.run(_expert_case):
+        assert len(res["true"]) == len(res["ours"]) == 3
+        for true, ours in zip(res["true"], res["ours"], strict=True):
+            # ours (float32 accumulation) against the float64 reference: one norm_rtol
+            assert ours == pytest.approx(true, rel=norm_rtol(numel, torch.float32, 2.0)), res

@@ -285,3 +285,62 @@ def test_gradient_accumulation_skips_the_step_an_overflowing_micro_batch_feeds()
                     )
     assert flags == [True, False] and scaler.get_scale() == 32.0
     assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def _branches() -> tuple[torch.nn.Linear, torch.nn.Linear, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 1), torch.nn.Linear(3, 1), torch.randn(4, 3)
+
+
+def test_two_optimizers_each_skip_on_their_own_overflow_with_one_backoff() -> None:
+    # Two branches, each with its own optimizer and scheduler; only the first branch overflows.
+    # torch's rule: an optimizer steps unless its own gradients overflowed, one update per
+    # iteration. The schedulers are stepped between the optimizers' steps, before that update.
+    acc = _accelerator()
+    scaler = use_shardscale(acc, init_scale=64.0)
+    a, b, x = _branches()
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1)
+    sched_a = torch.optim.lr_scheduler.StepLR(opt_a, step_size=1, gamma=0.5)
+    sched_b = torch.optim.lr_scheduler.StepLR(opt_b, step_size=1, gamma=0.5)
+    opt_a, opt_b, sched_a, sched_b = acc.prepare(opt_a, opt_b, sched_a, sched_b)
+    before_a = a.weight.detach().clone()
+    acc.backward(a(x).sum() * math.inf + b(x).sum())
+    opt_a.step()
+    sched_a.step()
+    opt_b.step()
+    sched_b.step()
+    assert opt_a.step_was_skipped and not opt_b.step_was_skipped
+    assert acc.optimizer_step_was_skipped  # any of them
+    assert sched_a.scheduler.last_epoch == 0 and sched_b.scheduler.last_epoch == 1
+    # torch's recipe on the same branches: step each, ONE update.
+    ref_a, ref_b, _ = _branches()
+    ref_opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref_a, ref_b)]
+    ref = torch.amp.GradScaler("cpu", init_scale=64.0)
+    ref.scale(ref_a(x).sum() * math.inf + ref_b(x).sum()).backward()
+    for opt in ref_opts:
+        ref.step(opt)
+    ref.update()
+    assert torch.equal(a.weight, before_a) and torch.equal(a.weight, ref_a.weight)
+    # b's gradients unscaled by the scale they were scaled with (64), not the backed-off 32.
+    assert torch.equal(b.weight, ref_b.weight) and torch.equal(b.bias, ref_b.bias)
+    assert scaler.get_scale() == ref.get_scale() == 32.0  # one backoff, not one per optimizer
+
+
+def test_unscale_then_clip_unscales_once() -> None:
+    # accelerator.unscale_gradients() (to inspect the gradients) before clip_grad_norm_: the clip
+    # must not unscale again, nor refuse.
+    acc = _accelerator()
+    use_shardscale(acc, init_scale=128.0)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.backward(model(torch.randn(4, 3)).square().mean())
+    acc.unscale_gradients()
+    unscaled = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    norm = acc.clip_grad_norm_(model.parameters(), math.inf)  # measure only
+    expected = torch.nn.utils.get_total_norm(unscaled)
+    assert float(norm) == pytest.approx(float(expected), rel=1e-6)  # float32 norms of 8 values
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), unscaled, strict=True))  # type: ignore[arg-type]
+    opt.step()
+    assert not acc.optimizer_step_was_skipped

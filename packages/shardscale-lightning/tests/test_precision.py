@@ -268,3 +268,75 @@ def test_value_clipping_unscales_first_even_for_a_fused_optimizer() -> None:
     limit = float(torch.tensor(1e-3, dtype=torch.float32))  # the bound, rounded to the grads' dtype
     assert seen.max_abs == [limit] * 3
     assert plugin.scaler is not None and plugin.scaler.get_scale() == 2.0**10  # no skips
+
+
+# -- manual optimization, two optimizers ------------------------------------------------------
+
+
+class _TwoBranches(pl.LightningModule):
+    """Manual optimization: each branch its own optimizer and scheduler; branch `a` overflows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+        self.automatic_optimization = False
+        self.flags: list[tuple[bool, bool]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        (x,) = batch
+        opt_a, opt_b = self.optimizers()
+        sched_a, sched_b = self.lr_schedulers()  # type: ignore[misc]
+        loss_a = self.a(x).float().sum()
+        self.manual_backward((loss_a * math.inf if batch_idx == 0 else loss_a) + self.b(x).sum())
+        # Scheduler a asks between the two steps, before the iteration's update.
+        opt_a.step()
+        sched_a.step()
+        opt_b.step()
+        sched_b.step()
+        plugin = self.trainer.precision_plugin
+        self.flags.append(
+            (bool(plugin.step_was_skipped(opt_a)), bool(plugin.step_was_skipped(opt_b)))
+        )
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+
+    def configure_optimizers(self) -> Any:
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (self.a, self.b)]
+        # gamma=1: the lr stays, so the torch loop below needs no scheduler; last_epoch counts.
+        scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=1.0) for o in opts]
+        return opts, [{"scheduler": s, "interval": "step"} for s in scheds]
+
+
+def test_manual_two_optimizers_skip_on_their_own_overflow_with_one_backoff() -> None:
+    plugin = ShardscalePrecision("16-mixed", device="cpu", init_scale=64.0)
+    model = _TwoBranches()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, plugins=[plugin], max_steps=4, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4)
+    trainer.fit(model, loader)
+    assert model.flags == [(True, False), (False, False)]
+    scheds = [c.scheduler for c in trainer.lr_scheduler_configs]
+    assert [s.last_epoch for s in scheds] == [1, 2]  # a held on its skipped step
+    # torch's recipe on the same data, in the same autocast: step each, ONE update per batch.
+    torch.manual_seed(0)
+    ref_a, ref_b = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    ref_opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref_a, ref_b)]
+    ref = torch.amp.GradScaler("cpu", init_scale=64.0)
+    for i, (batch,) in enumerate(loader):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss_a = ref_a(batch).float().sum()
+            loss = (loss_a * math.inf if i == 0 else loss_a) + ref_b(batch).sum()
+            ref.scale(loss).backward()
+        for opt in ref_opts:
+            ref.step(opt)
+        ref.update()
+        for opt in ref_opts:
+            opt.zero_grad()
+    for ours, theirs in ((model.a, ref_a), (model.b, ref_b)):
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            assert torch.equal(p, q)  # the same float32 arithmetic, step for step
+    assert plugin.scaler is not None and plugin.scaler.get_scale() == ref.get_scale() == 32.0

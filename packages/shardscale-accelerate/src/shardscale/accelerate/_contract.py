@@ -3,10 +3,11 @@
 [Note: why a contract check]
 Accelerate offers no hook to choose the loss scaler's class or how
 ``clip_grad_norm_`` and ``step_was_skipped`` work. ``use_shardscale`` therefore
-sets the public ``Accelerator.scaler`` attribute and overrides three methods on
-ONE ``Accelerator`` instance (``prepare_optimizer``, ``unscale_gradients``,
-``clip_grad_norm_``), and gives the ``AcceleratedOptimizer`` objects it
-prepares a subclass that reads the skip flag from the scaler. Each of those
+sets the public ``Accelerator.scaler`` attribute and overrides four methods on
+ONE ``Accelerator`` instance (``prepare_optimizer``, ``backward``,
+``unscale_gradients``, ``clip_grad_norm_``), and gives the
+``AcceleratedOptimizer`` objects it prepares a subclass that steps through the
+scaler and reads the skip flag from it. Each of those
 relies on a name and a signature below. When Accelerate changes one of them,
 :func:`check_accelerate` raises :class:`AccelerateContractError` naming it,
 before any object is touched, instead of training with a silently bypassed

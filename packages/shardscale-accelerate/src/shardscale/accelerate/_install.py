@@ -7,14 +7,19 @@ What it changes, on that instance only (see [Note: why a contract check]):
   uses it in ``backward``, hands it to every ``AcceleratedOptimizer`` it
   prepares, and saves/loads its ``state_dict`` in ``save_state``/``load_state``.
 * ``prepare_optimizer`` returns optimizers of a subclass,
-  :class:`ShardscaleAcceleratedOptimizer`, whose ``step_was_skipped`` comes from
-  the scaler's reduced skip flag, read only when asked (Accelerate derives it
-  from whether ``optimizer.step`` was called, which a fused optimizer always is).
-* ``unscale_gradients`` unscales whenever the scaler is enabled (Accelerate only
-  does on an fp16 ``native_amp`` device).
+  :class:`ShardscaleAcceleratedOptimizer`, whose ``step`` is ``scaler.step``
+  with ONE scaler update per iteration however many optimizers step (see
+  [Note: one update per iteration]), and whose ``step_was_skipped`` is that
+  optimizer's own skip flag, read only when asked (Accelerate derives it from
+  whether ``optimizer.step`` was called, which a fused optimizer always is).
+* ``backward`` first ends an iteration whose update is still pending.
+* ``unscale_gradients`` unscales each optimizer at most once per iteration,
+  whenever the scaler is enabled (Accelerate only does on an fp16
+  ``native_amp`` device).
 * ``clip_grad_norm_`` is ``unscale_and_clip_`` when the parameters are those of
   one prepared optimizer (one read, one collective, fused optimizers included),
-  else unscale + ``shardscale.clip.clip_grad_norm_``; both the true global norm.
+  else unscale every optimizer once + ``ShardedGradScaler.clip_grad_norm_``
+  (the scaler's whole configuration); both the true global norm.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 from shardscale.accelerate._contract import check_accelerate
-from shardscale.clip import clip_grad_norm_, unscale_and_clip_
+from shardscale.accelerate._iteration import Iteration, inner, step_and_flag
+from shardscale.clip import unscale_and_clip_
 from shardscale.core import ShardedGradScaler, optimizer_params
 
 __all__ = ["ShardscaleAcceleratedOptimizer", "use_shardscale", "is_using_shardscale"]
@@ -43,30 +49,52 @@ _REFUSED = {
 
 
 class ShardscaleAcceleratedOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
-    """An ``AcceleratedOptimizer`` whose skip signal is the scaler's agreed decision.
+    """An ``AcceleratedOptimizer`` that steps through the scaler once per iteration.
 
-    ``step_was_skipped`` turns the 0-dim skip flag into a bool when read (one
-    host read, already paid by an unfused step), so a fused optimizer's
-    skipped step is reported, and a scheduler prepared by Accelerate holds.
+    ``step`` is ``scaler.step``; the scaler's ``update`` follows once the
+    iteration is over (see [Note: one update per iteration], so several
+    optimizers are each unscaled once and back the scale off once).
+    ``step_was_skipped`` is this optimizer's own skip decision, turned into a
+    bool when read (one host read, already paid by an unfused step), so a fused
+    optimizer's skipped step is reported and a scheduler prepared by Accelerate
+    holds.
     """
 
+    _shardscale_iteration: Iteration
+
     def step(self, closure: Any = None) -> None:
-        """Accelerate's step, then keep the scaler's skip flag for ``step_was_skipped``."""
-        super().step(closure)
-        if self.gradient_state.sync_gradients and isinstance(self.scaler, ShardedGradScaler):
-            self._shardscale_skipped = self.scaler.last_step_skipped
+        """``scaler.step`` of the wrapped optimizer; the scaler's update when the iteration is over."""
+        scaler = self.scaler
+        if (
+            not isinstance(scaler, ShardedGradScaler)
+            or not scaler.is_enabled()
+            or not self.gradient_state.sync_gradients
+        ):
+            super().step(closure)  # Accelerate's own: a plain step, or nothing while accumulating
+            return
+        it = self._shardscale_iteration
+        if id(self.optimizer) in it.stepped:
+            it.end()  # stepped again without a new backward: the previous iteration is over
+        kwargs = {} if closure is None else {"closure": closure}  # the scaler refuses closures
+        _, flag = step_and_flag(scaler, self.optimizer, **kwargs)
+        self._shardscale_skipped = flag
+        it.stepped[id(self.optimizer)] = flag
+        it.unscaled.discard(id(self.optimizer))
+        if not it.due():
+            it.end()
 
     @property
     def step_was_skipped(self) -> bool:
-        """Whether the last synchronised step was skipped on every rank (gradient overflow)."""
+        """Whether this optimizer's last synchronised step was skipped on every rank (overflow)."""
         flag: torch.Tensor | None = getattr(self, "_shardscale_skipped", None)
+        if flag is None and isinstance(self.scaler, ShardedGradScaler):
+            flag = self.scaler.last_step_skipped  # an optimizer whose own flag is unknowable
         return bool(flag) if flag is not None else False
 
 
-def _inner(optimizer: Any) -> torch.optim.Optimizer:
-    while isinstance(optimizer, AcceleratedOptimizer):
-        optimizer = optimizer.optimizer
-    return optimizer  # type: ignore[no-any-return]
+def _iteration(accelerator: Accelerator) -> Iteration:
+    it: Iteration = accelerator.__dict__["_shardscale_iteration"]
+    return it
 
 
 def _prepare_optimizer(
@@ -75,7 +103,15 @@ def _prepare_optimizer(
     prepared = type(self).prepare_optimizer(self, optimizer, device_placement=device_placement)
     if type(prepared) is AcceleratedOptimizer:
         prepared.__class__ = ShardscaleAcceleratedOptimizer  # same state, our step/skip signal
+        prepared._shardscale_iteration = _iteration(self)
     return prepared
+
+
+def _backward(self: Accelerator, loss: torch.Tensor, **kwargs: Any) -> None:
+    it = _iteration(self)
+    if it.stepped:
+        it.end()  # a backward after a step: the new gradients carry the next iteration's scale
+    type(self).backward(self, loss, **kwargs)
 
 
 def _unscale_gradients(self: Accelerator, optimizer: Any = None) -> None:
@@ -88,8 +124,13 @@ def _unscale_gradients(self: Accelerator, optimizer: Any = None) -> None:
         optimizers = list(optimizer)
     else:
         optimizers = [optimizer]
-    for opt in optimizers:
-        scaler.unscale_(_inner(opt))
+    it = _iteration(self)
+    for opt in map(inner, optimizers):
+        if id(opt) in it.stepped:
+            it.end()
+        if id(opt) not in it.unscaled:  # each optimizer once per iteration, as torch requires
+            scaler.unscale_(opt)
+            it.unscaled.add(id(opt))
 
 
 def _clip_grad_norm_(
@@ -97,27 +138,26 @@ def _clip_grad_norm_(
 ) -> torch.Tensor:
     scaler = self.scaler
     assert isinstance(scaler, ShardedGradScaler)
+    it = _iteration(self)
     params = list(parameters)
     wanted = {id(p) for p in params if p.grad is not None}
     if wanted:
         for prepared in self._optimizers:
-            opt = _inner(prepared)
-            if {id(p) for p in optimizer_params(opt) if p.grad is not None} == wanted:
+            opt = inner(prepared)
+            if {id(p) for p in optimizer_params(opt) if p.grad is not None} != wanted:
+                continue
+            if id(opt) in it.stepped:
+                it.end()
+            if id(opt) not in it.unscaled:
                 # The usual case (clip_grad_norm_(model.parameters(), ...)): one fused pass.
-                return unscale_and_clip_(scaler, opt, float(max_norm), float(norm_type))
-    # A subset of an optimizer's parameters, or several optimizers: unscale them all (as
-    # Accelerate does), then clip by the global norm over exactly these parameters.
+                norm = unscale_and_clip_(scaler, opt, float(max_norm), float(norm_type))
+                if scaler.is_enabled():  # a disabled scaler's iterations are never recorded
+                    it.unscaled.add(id(opt))
+                return norm
+    # Several optimizers' parameters, a subset, or gradients already unscaled: unscale every
+    # optimizer once (as Accelerate does), then clip exactly these with the scaler's config.
     self.unscale_gradients()
-    config = scaler.step_config
-    return clip_grad_norm_(
-        params,
-        float(max_norm),
-        float(norm_type),
-        process_group=config.group,
-        backend=config.backend,
-        distinct_dims=config.distinct_dims,
-        registry=config.registry,
-    )
+    return scaler.clip_grad_norm_(params, float(max_norm), float(norm_type))
 
 
 def is_using_shardscale(accelerator: Accelerator) -> bool:
@@ -210,8 +250,10 @@ def use_shardscale(
         options.setdefault("enabled", accelerator.mixed_precision == "fp16")
         scaler = ShardedGradScaler(accelerator.device.type, **options)
     accelerator.scaler = scaler
+    accelerator.__dict__["_shardscale_iteration"] = Iteration(scaler, accelerator._optimizers)
     # Instance attributes shadow the class's methods for this accelerator only.
     accelerator.prepare_optimizer = types.MethodType(_prepare_optimizer, accelerator)  # type: ignore[method-assign]
+    accelerator.backward = types.MethodType(_backward, accelerator)  # type: ignore[method-assign]
     accelerator.unscale_gradients = types.MethodType(_unscale_gradients, accelerator)  # type: ignore[method-assign]
     accelerator.clip_grad_norm_ = types.MethodType(_clip_grad_norm_, accelerator)  # type: ignore[method-assign]
     return scaler

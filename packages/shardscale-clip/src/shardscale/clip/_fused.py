@@ -25,10 +25,14 @@ from __future__ import annotations
 
 import torch
 
-from shardscale.clip._norm import clip_grad_norm_
 from shardscale.clip._streaming import StreamingStats
-from shardscale.clip._validate import check_max_norm, check_norm_type, kernels_name
-from shardscale.core import ShardedGradScaler, optimizer_params
+from shardscale.core import (
+    ShardedGradScaler,
+    check_max_norm,
+    check_norm_type,
+    kernels_name,
+    optimizer_params,
+)
 
 __all__ = ["unscale_and_clip_"]
 
@@ -90,29 +94,23 @@ def unscale_and_clip_(
         synchronisation happens here.
     """
     _check_call(scaler, optimizer)
-    limit = check_max_norm(max_norm)
-    p = check_norm_type(norm_type)
-    config = scaler.step_config
-    name = kernels_name(foreach, config.kernels)
-    if stats is not None and stats.norm_type != p:
+    if max_norm is None:
+        check_max_norm(max_norm)  # the contract's TypeError: None would mean "unscale only"
+    # max_norm/norm_type/kernels are checked by core's contract, in the step (one error text).
+    if stats is not None and stats.norm_type != check_norm_type(norm_type):
         raise ValueError(
             f"the StreamingStats were computed for norm_type={stats.norm_type}, but "
-            f"unscale_and_clip_ was asked for norm_type={p}; build them with the same norm_type"
+            f"unscale_and_clip_ was asked for norm_type={norm_type}; build them with the same "
+            "norm_type"
         )
     if not scaler.is_enabled():
-        # Nothing is scaled: this is plain clipping with the scaler's group and backend.
-        params = list(optimizer_params(optimizer))
-        return clip_grad_norm_(
-            params,
-            limit,
-            p,
-            process_group=config.group,
-            backend=config.backend,
-            distinct_dims=config.distinct_dims,
-            distinct_params=[q for q in params if id(q) in config.distinct_params],
-            kernels=name,
-            registry=config.registry,
+        # Nothing is scaled: plain clipping with the scaler's whole configuration.
+        return scaler.clip_grad_norm_(
+            list(optimizer_params(optimizer)), max_norm, norm_type, foreach=foreach
         )
-    norm = scaler.unscale_(optimizer, max_norm=limit, norm_type=p, kernels=name, stats=stats)
+    kernels = kernels_name(foreach, scaler.step_config.kernels)
+    norm = scaler.unscale_(
+        optimizer, max_norm=max_norm, norm_type=norm_type, kernels=kernels, stats=stats
+    )
     assert norm is not None
     return norm

@@ -14,14 +14,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardscale.clip._validate import check_max_norm, check_norm_type, kernels_name
 from shardscale.core import (
     Apply,
     CollectiveBackend,
     Registry,
     StepConfig,
+    check_distinct_dims,
+    check_error_if_nonfinite,
     distinct_param_ids,
     get_registry,
+    kernels_name,
+    nonfinite_norm_error,
     run_step,
 )
 
@@ -45,14 +48,6 @@ def _as_list(items: TensorOrTensors, what: str) -> list[torch.Tensor]:
     return out
 
 
-def _nonfinite_error(norm_type: float) -> RuntimeError:
-    return RuntimeError(
-        f"the total norm of order {norm_type} of the gradients is non-finite (inf or nan), so "
-        "it cannot be clipped. Find the layer producing inf/nan, use a GradScaler with "
-        "unscale_and_clip_ to skip such steps, or pass error_if_nonfinite=False to clip anyway."
-    )
-
-
 def _config(
     *,
     foreach: bool | None,
@@ -63,18 +58,13 @@ def _config(
     kernels: str | None,
     registry: Registry | None,
 ) -> StepConfig:
-    if isinstance(distinct_dims, str):
-        raise TypeError(
-            f"distinct_dims takes an iterable of mesh dimension names, got the string "
-            f"{distinct_dims!r}; write distinct_dims=({distinct_dims!r},)"
-        )
     reg = registry if registry is not None else get_registry()
     return StepConfig(
         backend=reg.make_backend(backend),
         registry=reg,
         group=process_group,
         kernels=kernels_name(foreach, kernels),
-        distinct_dims=frozenset(distinct_dims),
+        distinct_dims=check_distinct_dims(distinct_dims),
         distinct_params=distinct_param_ids(distinct_params),
     )
 
@@ -140,7 +130,10 @@ def get_total_norm(
         kernels: a stats-kernels name, overriding the automatic choice.
         registry: the plugin registry (default: the process-wide one).
     """
-    p = check_norm_type(norm_type)
+    # max_norm/norm_type are checked by the step engine's contract (every rank raises together).
+    nonfinite = (
+        nonfinite_norm_error(norm_type) if check_error_if_nonfinite(error_if_nonfinite) else None
+    )
     items = _as_list(tensors, "tensors")
     config = _config(
         foreach=foreach,
@@ -155,9 +148,9 @@ def get_total_norm(
         items,
         config,
         apply=Apply.NOTHING,
-        norm_type=p,
+        norm_type=norm_type,
         as_grads=True,
-        nonfinite_error=_nonfinite_error(p) if error_if_nonfinite else None,
+        nonfinite_error=nonfinite,
     )
     assert result.norm is not None
     return result.norm
@@ -190,8 +183,9 @@ def clip_grad_norm_(
     ``error_if_nonfinite`` a non-finite gradient on *any* rank, counted in
     the norm or not, makes every rank raise before any gradient changes.
     """
-    limit = check_max_norm(max_norm)
-    p = check_norm_type(norm_type)
+    nonfinite = (
+        nonfinite_norm_error(norm_type) if check_error_if_nonfinite(error_if_nonfinite) else None
+    )
     params = _as_list(parameters, "parameters")
     config = _config(
         foreach=foreach,
@@ -207,9 +201,9 @@ def clip_grad_norm_(
         params,
         config,
         apply=Apply.MULTIPLY,
-        norm_type=p,
-        max_norm=limit,
-        nonfinite_error=_nonfinite_error(p) if error_if_nonfinite else None,
+        norm_type=norm_type,
+        max_norm=max_norm,
+        nonfinite_error=nonfinite,
     )
     assert result.norm is not None
     return result.norm

@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardscale.clip._validate import check_norm_type
-from shardscale.core import read_tensor_norm
+from shardscale.core import check_norm_type, read_tensor_norm
 
 if TYPE_CHECKING:
     from shardscale.core import ShardedGradScaler

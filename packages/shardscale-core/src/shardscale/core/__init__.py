@@ -14,6 +14,16 @@ Quick start::
 
 from __future__ import annotations
 
+from shardscale.core._contract import (
+    check_distinct_dims,
+    check_error_if_nonfinite,
+    check_kernels,
+    check_max_norm,
+    check_norm_type,
+    distinct_param_ids,
+    kernels_name,
+    nonfinite_norm_error,
+)
 from shardscale.core._ema import update_averaged_model
 from shardscale.core._errors import (
     BackendUnavailableError,
@@ -74,7 +84,6 @@ from shardscale.core._step_engine import (
     StepConfig,
     StepError,
     StepResult,
-    distinct_param_ids,
     poll_errors,
     read_tensor_norm,
     run_step,
@@ -109,6 +118,14 @@ __all__ = [
     "read_tensor_norm",
     "poll_errors",
     "EPS",
+    # the step contract: every option checked once, one error text (see [Note: one contract])
+    "check_max_norm",
+    "check_norm_type",
+    "check_error_if_nonfinite",
+    "check_kernels",
+    "kernels_name",
+    "check_distinct_dims",
+    "nonfinite_norm_error",
     # registry
     "Registry",
     "get_registry",

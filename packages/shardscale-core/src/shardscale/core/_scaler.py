@@ -34,6 +34,16 @@ from typing import TYPE_CHECKING, Any, overload
 import torch
 from torch.amp.grad_scaler import OptState
 
+from shardscale.core._contract import (
+    check_distinct_dims,
+    check_error_if_nonfinite,
+    check_kernels,
+    check_max_norm,
+    check_norm_type,
+    distinct_param_ids,
+    kernels_name,
+    nonfinite_norm_error,
+)
 from shardscale.core._gradients import optimizer_params
 from shardscale.core._overflow import OverflowReport, build_overflow_report
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, StepRecord
@@ -57,7 +67,6 @@ from shardscale.core._step_engine import (
     PrecomputedNorms,
     StepConfig,
     StepResult,
-    distinct_param_ids,
     poll_errors,
     run_step,
 )
@@ -251,13 +260,7 @@ class ShardedGradScaler:
         self._init_growth_tracker = 0
         self._init_hysteresis_tracker = self._hysteresis
         self.process_group = process_group
-        if isinstance(distinct_dims, (str, bytes)):
-            # frozenset("pp") would silently mean {"p"}.
-            raise TypeError(
-                f"distinct_dims takes a collection of mesh dimension names, got the string "
-                f"{distinct_dims!r}; write e.g. distinct_dims=({distinct_dims!r},)"
-            )
-        self._distinct_dims = frozenset(distinct_dims)
+        self._distinct_dims = check_distinct_dims(distinct_dims)
         if isinstance(distinct_params, Iterable) and not isinstance(
             distinct_params, (torch.Tensor, str, bytes)
         ):
@@ -267,7 +270,7 @@ class ShardedGradScaler:
         # a copy of the scaler together with its model (pickle, deepcopy) finds the copies.
         self._distinct_refs = tuple(distinct_params)  # type: ignore[arg-type]
         self._registry = registry
-        self._kernels_name = kernels
+        self._kernels_name = check_kernels(kernels)
         self._backend_spec = backend
         self._backend: CollectiveBackend | None = None
         if backend is not None:
@@ -481,7 +484,13 @@ class ShardedGradScaler:
         per-gradient norms read during backward (``StreamingStats``).
         """
         if not self._enabled:
+            # Nothing is read: the options are still checked, as an enabled scaler's step does.
+            if max_norm is not None:
+                check_max_norm(max_norm)
+                check_norm_type(norm_type)
+            check_kernels(kernels)
             return None
+        check_kernels(kernels)
         what = "unscale_()" if max_norm is None else "unscale_and_clip_()"
         state = self._check_can_unscale(optimizer, what)
         self._ensure_scale(optimizer)
@@ -507,6 +516,67 @@ class ShardedGradScaler:
             precomputed=stats,
         )
         state.record(result, grad_scale=result.grad_scale)
+        self._last_grad_norm = result.norm
+        return result.norm
+
+    def clip_grad_norm_(
+        self,
+        parameters: torch.Tensor | Iterable[torch.Tensor],
+        max_norm: float,
+        norm_type: float = 2.0,
+        *,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """Clip the gradients of ``parameters`` by their true global norm, with this scaler's configuration.
+
+        For gradients that are already unscaled (after :meth:`unscale_`, or
+        with a disabled scaler): the global ``norm_type``-norm of every
+        parameter's gradient over this scaler's process group, backend,
+        kernels, ``distinct_dims`` and those of ``parameters`` this scaler
+        declared in ``distinct_params`` -- in one read and ONE collective --
+        then every local gradient multiplied once by
+        ``min(1, max_norm / (norm + 1e-6))``. What framework integrations call
+        when asked to clip a subset of parameters, or parameters of several
+        optimizers; for one optimizer's still-scaled gradients,
+        ``unscale_(optimizer, max_norm=...)`` does the unscale in the same pass.
+
+        Args:
+            parameters: a tensor or an iterable of tensors whose ``.grad`` is clipped.
+            max_norm: a number > 0; ``float('inf')`` only measures.
+            norm_type: any p > 0, or ``float('inf')``.
+            error_if_nonfinite: raise on every rank, before any gradient
+                changes, when the norm is inf or nan (costs a host sync).
+            foreach: None: this scaler's kernels; True/False: the ``foreach``/``loop`` kernels.
+
+        Returns:
+            The global norm, a 0-dim tensor identical on every rank (float64 if
+            any gradient is float64, else float32). Options are checked by
+            ``shardscale.core``'s contract before anything changes.
+        """
+        items = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        nonfinite = (
+            nonfinite_norm_error(norm_type)
+            if check_error_if_nonfinite(error_if_nonfinite)
+            else None
+        )
+        config = self.step_config
+        ids = {id(p) for p in items}
+        config = dataclasses.replace(
+            config,
+            kernels=kernels_name(foreach, config.kernels),
+            # Declared parameters outside this call are another call's business.
+            distinct_params=frozenset(i for i in config.distinct_params if i in ids),
+        )
+        result = run_step(
+            items,
+            config,
+            apply=Apply.MULTIPLY,
+            norm_type=norm_type,
+            max_norm=max_norm,
+            nonfinite_error=nonfinite,
+        )
+        assert result.norm is not None
         self._last_grad_norm = result.norm
         return result.norm
 

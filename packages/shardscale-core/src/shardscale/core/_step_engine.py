@@ -77,6 +77,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from shardscale.core._contract import check_max_norm, check_norm_type
 from shardscale.core._errors import LayoutError, ShardscaleError
 from shardscale.core._gradients import GradBuckets, collect_grads
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, Handle, ReduceOp
@@ -94,7 +95,6 @@ __all__ = [
     "StepConfig",
     "StepError",
     "StepResult",
-    "distinct_param_ids",
     "poll_errors",
     "read_tensor_norm",
     "run_step",
@@ -407,6 +407,11 @@ class _Local:
     buckets: GradBuckets
     error: BaseException | None = None
     code: int = 0
+    #: The step's options as the contract read them (harmless values after a refusal).
+    norm_type: float | None = None
+    max_norm: float = math.inf
+    #: The stats kernels of each device holding a local gradient.
+    kernels: dict[torch.device, Any] = field(default_factory=dict)
 
 
 def _error_code(exc: BaseException) -> int:
@@ -437,8 +442,14 @@ def _collect(
     scale: torch.Tensor | None,
     expect_device: str | None,
     for_norm: bool,
+    norm_type: object,
+    max_norm: object,
 ) -> _Local:
     try:
+        # The contract's checks, recorded like any other local error: a rank that alone got a
+        # bad value still joins the all-reduce, and every rank raises, nothing changed.
+        p = check_norm_type(norm_type) if norm_type is not None else None
+        limit = check_max_norm(max_norm)
         buckets = collect_grads(
             # A norm must see coalesced sparse values; the scaler, like torch's, coalesces fp16 only.
             _coalesced(items, as_grads=as_grads) if for_norm else items,
@@ -450,9 +461,14 @@ def _collect(
         _check_devices(buckets, scale, expect_device)
         _check_distinct_dims(buckets, config.distinct_dims)
         _check_distinct_params(buckets, config.distinct_params)
+        # Resolved here, not while reading: an unknown or unsupported kernels name is refused
+        # before the unscale kernel writes anything, and reaches every rank like any error.
+        kernels = {
+            dev: config.registry.kernels_for(dev, config.kernels) for dev in buckets.devices()
+        }
     except Exception as exc:
         return _Local(buckets=GradBuckets(), error=exc, code=_error_code(exc))
-    return _Local(buckets=buckets)
+    return _Local(buckets=buckets, norm_type=p, max_norm=limit, kernels=kernels)
 
 
 def _group_ranks(config: StepConfig) -> tuple[int, ...] | None:
@@ -516,30 +532,6 @@ def _check_distinct_dims(buckets: GradBuckets, distinct: frozenset[str]) -> None
         )
 
 
-def distinct_param_ids(
-    params: Iterable[torch.Tensor], *, name: str = "distinct_params"
-) -> frozenset[int]:
-    """The ``id()`` of each tensor of ``params``, for ``StepConfig.distinct_params``.
-
-    Raises ``TypeError`` (before any collective: arguments are checked where
-    they are given) for a single tensor, a string or a non-tensor element.
-    """
-    if isinstance(params, (torch.Tensor, str, bytes)) or not isinstance(params, Iterable):
-        raise TypeError(
-            f"{name} takes an iterable of parameters (e.g. list(experts.parameters())), got "
-            f"{type(params).__name__}; wrap a single parameter in a list"
-        )
-    ids = []
-    for p in params:
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(
-                f"{name} takes parameters (tensors), got a {type(p).__name__}; pass "
-                "list(module.parameters()) of the modules this rank holds its own copy of"
-            )
-        ids.append(id(p))
-    return frozenset(ids)
-
-
 def _check_distinct_params(buckets: GradBuckets, distinct: frozenset[int]) -> None:
     if not distinct:
         return
@@ -576,11 +568,10 @@ def _read(
     reading = _Reading()
     if local.error is not None:
         return reading
-    registry = config.registry
     for (dev, dtype), tensors in local.buckets.every.items():
         if not tensors:
             continue
-        kernels = registry.kernels_for(dev, config.kernels)
+        kernels = local.kernels[dev]
         if apply is Apply.UNSCALE:
             assert inv_scale is not None
             flag = torch.zeros((), dtype=torch.float32, device=dev)
@@ -691,7 +682,10 @@ def run_step(
             scale=scale,
             expect_device=scale_device_type,
             for_norm=norm_type is not None,
+            norm_type=norm_type,
+            max_norm=max_norm,
         )
+        norm_type, max_norm = local.norm_type, local.max_norm
         device = _result_device(scale, local.buckets, items, as_grads=as_grads)
         inv_scale = scale.double().reciprocal().float() if scale is not None else None
         if unscale_by is not None and apply is Apply.UNSCALE:

@@ -14,6 +14,14 @@ a fused optimizer's gradients stay scaled, as with Lightning's own plugin. When
 the module overrides ``configure_gradient_clipping``, its call lands in
 :meth:`ShardscalePrecision.clip_grad_by_norm`, which clips with the global norm
 too (one more collective when the gradients were already unscaled).
+
+In manual optimization (``automatic_optimization = False``) the module calls
+``self.manual_backward``, ``self.clip_gradients(opt, ...)`` and ``opt.step()``
+itself, with the ``LightningOptimizer`` wrappers ``self.optimizers()`` returns;
+the plugin keys everything by the optimizer a wrapper holds (the one
+``opt.step()`` hands it), so the clip is the unscale (``unscale_and_clip_``) and
+the step does not unscale again. With several optimizers the scaler's update
+waits for the iteration to end: [Note: one update per iteration].
 """
 
 from __future__ import annotations
@@ -25,12 +33,14 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from shardscale.clip import clip_grad_norm_, unscale_and_clip_
 from shardscale.core import ShardedGradScaler, optimizer_params
+from shardscale.lightning._iteration import Iteration, step_and_flag
 from shardscale.lightning._schedulers import hold_on_skipped_steps
 
 __all__ = ["ShardscalePrecision", "PrecisionName"]
@@ -44,6 +54,11 @@ _INPUT_DTYPE = {
     "16-true": torch.float16,
     "bf16-true": torch.bfloat16,
 }
+
+
+def _real(optimizer: Any) -> torch.optim.Optimizer:
+    """The optimizer a ``LightningOptimizer`` (what ``self.optimizers()`` returns) wraps."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer  # type: ignore[no-any-return]
 
 
 def _handles_unscaling(optimizer: object) -> bool:
@@ -127,11 +142,12 @@ class ShardscalePrecision(FSDPPrecision):
         self.log_metrics = log_metrics
         self.log_prefix = log_prefix
         self.hold_schedulers = hold_schedulers
-        # Per iteration: optimizers already unscaled, and the norm of the last clip.
-        self._unscaled: set[int] = set()
-        self._clipped: set[int] = set()
+        # What happened since the last update (several optimizers: [Note: one update per
+        # iteration]); the last iteration's norm; each optimizer's last skip flag.
+        self._it = Iteration()
         self._grad_norm: torch.Tensor | None = None
         self._skipped: dict[int, torch.Tensor] = {}
+        self._model: pl.LightningModule | torch.nn.Module | None = None
 
     # -- what the strategies call ------------------------------------------------------------
 
@@ -166,48 +182,90 @@ class ShardscalePrecision(FSDPPrecision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        """One step: closure, unscale (fused with the clip when the Trainer clips), hooks, step, update."""
+        """One step: closure, unscale (fused with the clip when the Trainer clips), hooks, step.
+
+        The scaler's update follows once the iteration is over: see
+        [Note: one update per iteration].
+        """
+        optimizer = _real(optimizer)
         scaler = self.scaler
-        # A new iteration for this optimizer: nothing unscaled or clipped yet.
-        self._unscaled.discard(id(optimizer))
-        self._clipped.discard(id(optimizer))
-        self._grad_norm = None
+        self._model = model
+        automatic = not isinstance(model, pl.LightningModule) or model.automatic_optimization
+        if automatic:
+            # The closure runs forward and backward: a new iteration for this optimizer.
+            self._it.unscaled.discard(id(optimizer))
+            self._it.clipped.discard(id(optimizer))
         if scaler is None or not scaler.is_enabled():
             out = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # type: ignore[arg-type]
-            self._clipped.discard(id(optimizer))
-            self._log(model, optimizer)
+            self._end_iteration()
             return out
         if isinstance(optimizer, torch.optim.LBFGS):
             raise TypeError(
                 "LBFGS re-evaluates its closure, which loss scaling cannot follow; use another "
                 "optimizer with precision='16-mixed', or precision='bf16-mixed'."
             )
+        if id(optimizer) in self._it.stepped:
+            self._end_iteration()  # stepped again: the previous iteration is over
         closure_result = closure()
-        automatic = not isinstance(model, pl.LightningModule) or model.automatic_optimization
         if closure_result is None and automatic:
             # training_step returned None: no backward ran, so there is nothing to unscale or step.
-            self._clipped.add(id(optimizer))  # the hooks' clip request has nothing to do
+            self._it.clipped.add(id(optimizer))  # the hooks' clip request has nothing to do
             self._after_closure(model, optimizer)  # type: ignore[arg-type]
-            self._clipped.discard(id(optimizer))
+            self._it.clipped.discard(id(optimizer))
             return closure_result
         clip_val = self._trainer_clip_value(model)
         if clip_val is not None:
-            self._grad_norm = unscale_and_clip_(scaler, optimizer, max_norm=clip_val)
-            self._unscaled.add(id(optimizer))
-            self._clipped.add(id(optimizer))
-        elif not _handles_unscaling(optimizer):
+            self._it.norms.append(unscale_and_clip_(scaler, optimizer, max_norm=clip_val))
+            self._it.unscaled.add(id(optimizer))
+            self._it.clipped.add(id(optimizer))
+        elif id(optimizer) not in self._it.unscaled and not _handles_unscaling(optimizer):
             scaler.unscale_(optimizer)  # the hooks see unscaled gradients, as in Lightning
-            self._unscaled.add(id(optimizer))
+            self._it.unscaled.add(id(optimizer))
         self._after_closure(model, optimizer)  # type: ignore[arg-type]
-        out = scaler.step(optimizer, **kwargs)
-        scaler.update()
-        self._unscaled.discard(id(optimizer))
-        self._clipped.discard(id(optimizer))
-        skipped = scaler.last_step_skipped
-        if skipped is not None:
-            self._skipped[id(optimizer)] = skipped
-        self._log(model, optimizer)
+        out, flag = step_and_flag(scaler, optimizer, **kwargs)
+        self._it.stepped[id(optimizer)] = flag
+        self._it.unscaled.discard(id(optimizer))
+        if not self._it.due(self._trainer_optimizers(model)):
+            self._end_iteration()
         return out
+
+    @contextlib.contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        """Lightning's context around ``training_step``; an iteration ends with the step at the latest."""
+        with super().train_step_context():
+            yield
+        if self._it.stepped:
+            self._end_iteration()
+
+    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+        """A backward after a step starts the next iteration: update first, then scale the loss."""
+        if self._it.stepped:
+            self._end_iteration()
+        return super().pre_backward(tensor, module)  # type: ignore[no-any-return]
+
+    def _end_iteration(self) -> None:
+        """The scaler's one update for the optimizers stepped since the last, then the metrics."""
+        scaler = self.scaler
+        stepped = dict(self._it.stepped)
+        self._grad_norm = self._it.norm()
+        self._it.clear()
+        if scaler is not None and scaler.is_enabled() and stepped:
+            scaler.update()
+            skipped = scaler.last_step_skipped
+            for key, flag in stepped.items():
+                found = flag if flag is not None else skipped
+                if found is not None:
+                    self._skipped[key] = found
+        if self._model is not None:
+            self._log(self._model)
+
+    @staticmethod
+    def _trainer_optimizers(
+        model: pl.LightningModule | torch.nn.Module,
+    ) -> list[torch.optim.Optimizer]:
+        if not isinstance(model, pl.LightningModule):
+            return []
+        return list(model.trainer.optimizers)
 
     def _trainer_clip_value(self, model: pl.LightningModule | torch.nn.Module) -> float | None:
         """The Trainer's norm-clip value when the default ``configure_gradient_clipping`` applies."""
@@ -234,8 +292,13 @@ class ShardscalePrecision(FSDPPrecision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Clip by norm (global, fused with the unscale when possible) or by value; fused optimizers too."""
-        if clip_val <= 0 or id(optimizer) in self._clipped:
+        """Clip by norm (global, fused with the unscale when possible) or by value; fused optimizers too.
+
+        ``optimizer`` may be the ``LightningOptimizer`` that ``self.optimizers()``
+        hands out (manual optimization): the optimizer it wraps is the one tracked.
+        """
+        optimizer = _real(optimizer)
+        if clip_val <= 0 or id(optimizer) in self._it.clipped:
             return  # already clipped with the Trainer's value in this step
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             self._ensure_unscaled(optimizer)
@@ -245,29 +308,28 @@ class ShardscalePrecision(FSDPPrecision):
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:  # type: ignore[override]
         """Clip ``optimizer``'s gradients by their true global norm (FSDP, FSDP2/TP, DDP)."""
+        optimizer = _real(optimizer)
         scaler = self.scaler
-        if scaler is not None and scaler.is_enabled() and id(optimizer) not in self._unscaled:
-            self._grad_norm = unscale_and_clip_(scaler, optimizer, max_norm=float(clip_val))
-            self._unscaled.add(id(optimizer))
-        elif scaler is not None and scaler.is_enabled():
-            config = scaler.step_config
-            self._grad_norm = clip_grad_norm_(
-                self._params_with_grad(optimizer),
-                float(clip_val),
-                process_group=config.group,
-                backend=config.backend,
-                distinct_dims=config.distinct_dims,
-                registry=config.registry,
-            )
+        if id(optimizer) in self._it.stepped:
+            self._end_iteration()  # clipping a stepped optimizer: its next iteration began
+        if scaler is not None and scaler.is_enabled() and id(optimizer) not in self._it.unscaled:
+            norm = unscale_and_clip_(scaler, optimizer, max_norm=float(clip_val))
+            self._it.unscaled.add(id(optimizer))
+        elif scaler is not None:
+            # Already unscaled (or scaling off): clip with the scaler's whole configuration.
+            norm = scaler.clip_grad_norm_(self._params_with_grad(optimizer), float(clip_val))
         else:
-            self._grad_norm = clip_grad_norm_(self._params_with_grad(optimizer), float(clip_val))
-        self._clipped.add(id(optimizer))
+            norm = clip_grad_norm_(self._params_with_grad(optimizer), float(clip_val))
+        self._it.norms.append(norm)
+        self._it.clipped.add(id(optimizer))
 
     def _ensure_unscaled(self, optimizer: torch.optim.Optimizer) -> None:
         scaler = self.scaler
-        if scaler is not None and scaler.is_enabled() and id(optimizer) not in self._unscaled:
+        if id(optimizer) in self._it.stepped:
+            self._end_iteration()
+        if scaler is not None and scaler.is_enabled() and id(optimizer) not in self._it.unscaled:
             scaler.unscale_(optimizer)
-            self._unscaled.add(id(optimizer))
+            self._it.unscaled.add(id(optimizer))
 
     @staticmethod
     def _params_with_grad(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -276,15 +338,21 @@ class ShardscalePrecision(FSDPPrecision):
     # -- skip signal and logging -------------------------------------------------------------
 
     def step_was_skipped(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
-        """The last step's skip flag for ``optimizer`` (a 0-dim bool tensor), or None."""
-        return self._skipped.get(id(optimizer))
+        """The last step's skip flag for ``optimizer`` (a 0-dim bool tensor), or None.
+
+        Known from the optimizer's own step on: with several optimizers, before
+        the scaler's update that ends the iteration.
+        """
+        optimizer = _real(optimizer)
+        flag = self._it.stepped.get(id(optimizer))
+        return flag if flag is not None else self._skipped.get(id(optimizer))
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
         """The global gradient norm of the last clipped step (device tensor), else None."""
         return self._grad_norm
 
-    def _log(self, model: pl.LightningModule | torch.nn.Module, optimizer: object) -> None:
+    def _log(self, model: pl.LightningModule | torch.nn.Module) -> None:
         if not self.log_metrics or not isinstance(model, pl.LightningModule):
             return
         if getattr(model, "_current_fx_name", None) is None:
@@ -293,7 +361,7 @@ class ShardscalePrecision(FSDPPrecision):
         scaler = self.scaler
         if scaler is not None and scaler.scale_tensor is not None:
             values["scale"] = scaler.scale_tensor
-            skipped = self._skipped.get(id(optimizer))
+            skipped = scaler.last_step_skipped  # the iteration's: any optimizer overflowed
             if skipped is not None:
                 values["skipped"] = skipped.to(torch.float32)
         if self._grad_norm is not None:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from shardscale.cli._corpus import CharCorpus, load_corpus
 from shardscale.cli._distributed import DistContext, shard_model
 from shardscale.cli._model import ModelConfig, TinyGPT
-from shardscale.core import ShardedGradScaler
+from shardscale.core import ShardedGradScaler, check_max_norm
 from shardscale.telemetry import JsonlObserver, StepRow, Telemetry, enable
 
 __all__ = [
@@ -65,9 +65,19 @@ def _positive_finite(v: Any) -> bool:
     return isinstance(v, int | float) and math.isfinite(v) and v > 0
 
 
-def _positive_or_inf(v: Any) -> bool:
-    # ``not v > 0`` is also how NaN is refused; +inf means "never clip" and is valid.
-    return isinstance(v, int | float) and v > 0
+def _contract_error(check: Callable[[Any], object], v: Any) -> str | None:
+    # The step contract's own verdict and text (shardscale.core), so that the command line
+    # accepts exactly what the scaler and shardscale.clip accept.
+    try:
+        check(v)
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def _valid_max_norm(v: Any) -> bool:
+    # +inf means "never clip" and is valid; 0, negatives and nan are refused by core.
+    return _contract_error(check_max_norm, v) is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +89,8 @@ class OptionRule:
     ok: Callable[[Any], bool]
     need: str
     example: str
+    #: The shardscale.core contract check of a step option (its text is the message).
+    contract: Callable[[Any], object] | None = None
 
     def message(self, value: Any, *, cli: bool) -> str:
         """One line naming the option (``--lr``) or the field (``lr``), the value, and a fix."""
@@ -86,6 +98,10 @@ class OptionRule:
             name, fix = self.option, f"{self.option} {self.example}"
         else:
             name, fix = self.field, f"{self.field}={self.example}"
+        if self.contract is not None:
+            problem = _contract_error(self.contract, value)
+            if problem is not None:
+                return f"{name}: {problem}; try e.g. {fix}"
         return f"{name} must be {self.need}, got {value!r}; try e.g. {fix}"
 
 
@@ -98,7 +114,14 @@ OPTION_RULES: tuple[OptionRule, ...] = (
     OptionRule("n_layers", "--layers", _positive_int, ">= 1 (transformer blocks)", "2"),
     OptionRule("n_heads", "--heads", _positive_int, ">= 1 (attention heads)", "2"),
     OptionRule("lr", "--lr", _positive_finite, "a finite number > 0", "0.003"),
-    OptionRule("max_norm", "--max-norm", _positive_or_inf, "> 0 (inf: measure, never clip)", "1.0"),
+    OptionRule(
+        "max_norm",
+        "--max-norm",
+        _valid_max_norm,
+        "> 0 (inf: measure, never clip)",
+        "1.0",
+        contract=check_max_norm,
+    ),
     OptionRule("init_scale", "--init-scale", _positive_finite, "a finite number > 0", "65536"),
     OptionRule("growth_interval", "--growth-interval", _positive_int, ">= 1 (clean steps)", "10"),
     OptionRule("sample_chars", "--sample-chars", _non_negative_int, ">= 0 (0: none)", "0"),
