@@ -17,11 +17,10 @@ DDP, tensor-parallel and multi-mesh models.
 
 from __future__ import annotations
 
-from shardscale.clip._blas_kernels import BlasDotKernels
 from shardscale.clip._fused import unscale_and_clip_
-from shardscale.clip._loop_kernels import LoopKernels
 from shardscale.clip._norm import clip_grad_norm_, get_total_norm
 from shardscale.clip._streaming import StreamingStats
+from shardscale.core import BlasDotKernels, LoopKernels  # moved to core; kept importable here
 
 __all__ = [
     "get_total_norm",

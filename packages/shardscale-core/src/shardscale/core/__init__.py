@@ -22,10 +22,12 @@ from shardscale.core._errors import (
     PluginWarning,
     ShardscaleError,
 )
+from shardscale.core._blas_kernels import BlasDotKernels
 from shardscale.core._foreach_kernels import ForeachKernels
 from shardscale.core._gradients import GradBuckets, collect_grads, optimizer_params
 from shardscale.core._hookspecs import ENTRY_POINT_GROUP, HOOK_KINDS, PROJECT, hookimpl
 from shardscale.core._local import LocalBackend
+from shardscale.core._loop_kernels import LoopKernels
 from shardscale.core._middleware_base import MiddlewareBase
 from shardscale.core._overflow import OverflowReport
 from shardscale.core._plain_adapter import PlainTensorAdapter, is_fsdp1_param
@@ -115,6 +117,8 @@ __all__ = [
     "PlainTensorAdapter",
     "is_fsdp1_param",
     "ForeachKernels",
+    "BlasDotKernels",
+    "LoopKernels",
     # gradient collection shared with shardscale.clip
     "GradBuckets",
     "collect_grads",
