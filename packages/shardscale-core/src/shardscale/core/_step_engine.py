@@ -77,6 +77,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from shardscale.core._aliasing import check_no_aliased_grads
 from shardscale.core._errors import LayoutError, ShardscaleError
 from shardscale.core._gradients import GradBuckets, collect_grads
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, Handle, ReduceOp
@@ -450,6 +451,8 @@ def _collect(
         _check_devices(buckets, scale, expect_device)
         _check_distinct_dims(buckets, config.distinct_dims)
         _check_distinct_params(buckets, config.distinct_params)
+        if not as_grads:  # parameters: the step or the optimizer writes their .grad
+            check_no_aliased_grads(buckets)
     except Exception as exc:
         return _Local(buckets=GradBuckets(), error=exc, code=_error_code(exc))
     return _Local(buckets=buckets)
