@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import ClassVar
 
-import pytest
 import torch
-from tolerances import norm_rtol
 
-from shardscale.clip import LoopKernels, clip_grad_norm_, get_total_norm, unscale_and_clip_
+from shardscale.clip import clip_grad_norm_, get_total_norm, unscale_and_clip_
 from shardscale.core import ForeachKernels, ShardedGradScaler, get_registry, hookimpl
 
 
@@ -33,7 +30,6 @@ class SpyKernels(ForeachKernels):
         super().mul_(tensors, coef)
 
 
-
 class SpyPlugin:
     def __init__(self) -> None:
         self.kernels = SpyKernels()
@@ -41,7 +37,6 @@ class SpyPlugin:
     @hookimpl
     def shardscale_stats_kernels(self) -> Sequence[object]:
         return [self.kernels]
-
 
 
 def test_every_read_and_multiply_goes_through_the_chosen_kernels() -> None:
@@ -74,4 +69,3 @@ def test_every_read_and_multiply_goes_through_the_chosen_kernels() -> None:
         assert (plugin.kernels.reads, plugin.kernels.muls) == (4 * n_params, 2 * n_params)
     finally:
         registry.unregister(name)
-

@@ -24,7 +24,6 @@ def tensors(dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.randn(n, generator=gen).to(dtype) for n in (5, 17, 1, 40)]
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("p", [0.5, 1.0, 2.0, 3.0, math.inf])
 def test_loop_and_foreach_agree(dtype: torch.dtype, p: float) -> None:
@@ -38,7 +37,6 @@ def test_loop_and_foreach_agree(dtype: torch.dtype, p: float) -> None:
         torch.testing.assert_close(x, y, rtol=2 * norm_rtol(t.numel(), dtype, p), atol=0)
         exact = torch.linalg.vector_norm(t.double(), p)
         assert abs(float(x) - float(exact)) <= norm_rtol(t.numel(), dtype, p) * float(exact)
-
 
 
 def test_loop_kernels_unscale_and_mul() -> None:
@@ -57,7 +55,6 @@ def test_loop_kernels_unscale_and_mul() -> None:
         assert torch.equal(a, b * 2)
 
 
-
 def test_core_registers_loop_kernels_below_foreach() -> None:
     registry = get_registry()
     assert "loop" in registry.names("kernels")
@@ -67,7 +64,6 @@ def test_core_registers_loop_kernels_below_foreach() -> None:
     assert registry.kernels_for(torch.device("cpu"), "loop").name == "loop"
     info = [i for i in registry.items() if i.kind == "kernels" and i.name == "loop"]
     assert info and info[0].distribution == "shardscale-core"
-
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
@@ -85,13 +81,11 @@ def test_blas_dot_two_norm_matches_foreach(dtype: torch.dtype) -> None:
         assert abs(float(x) - float(y)) <= 2 * bound * exact
 
 
-
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
 def test_blas_dot_keeps_the_overflow_signal(bad: float) -> None:
     ts = [torch.ones(10), torch.tensor([1.0, bad, 2.0])]
     norms = BlasDotKernels().tensor_norms(ts, 2.0)
     assert bool(torch.isfinite(norms[0])) and not bool(torch.isfinite(norms[1]))
-
 
 
 @pytest.mark.parametrize(
@@ -110,7 +104,6 @@ def test_blas_dot_defers_to_foreach_elsewhere(dtype: torch.dtype, p: float) -> N
     assert torch.equal(BlasDotKernels().tensor_norms(ts, p), ForeachKernels().tensor_norms(ts, p))
     assert BlasDotKernels().supports(torch.device("cpu"))
     assert not BlasDotKernels().supports(torch.device("cuda"))
-
 
 
 @pytest.mark.parametrize("p", [1.0, 2.0, 3.0, math.inf])
@@ -140,7 +133,12 @@ def _cpu_choice(disable: str | None) -> dict[str, object]:
     if disable is not None:
         env["SHARDSCALE_DISABLE_PLUGINS"] = disable
     out = subprocess.run(
-        [sys.executable, "-c", _CHOICE], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _CHOICE],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -158,8 +156,6 @@ def test_cpu_kernels_do_not_depend_on_which_distributions_are_installed() -> Non
 
 
 def test_no_other_distribution_registers_core_kernel_names() -> None:
-    owners = {
-        i.name: i.distribution for i in get_registry().items() if i.kind == "kernels"
-    }
+    owners = {i.name: i.distribution for i in get_registry().items() if i.kind == "kernels"}
     for name in ("foreach", "loop", "blas-dot"):
         assert owners.get(name) == "shardscale-core", owners

@@ -14,6 +14,8 @@ Quick start::
 
 from __future__ import annotations
 
+from shardscale.core._aliasing import AliasedGradientError
+from shardscale.core._blas_kernels import BlasDotKernels
 from shardscale.core._errors import (
     BackendUnavailableError,
     LayoutError,
@@ -22,7 +24,6 @@ from shardscale.core._errors import (
     PluginWarning,
     ShardscaleError,
 )
-from shardscale.core._blas_kernels import BlasDotKernels
 from shardscale.core._foreach_kernels import ForeachKernels
 from shardscale.core._gradients import GradBuckets, collect_grads, optimizer_params
 from shardscale.core._hookspecs import ENTRY_POINT_GROUP, HOOK_KINDS, PROJECT, hookimpl
@@ -129,6 +130,7 @@ __all__ = [
     "PluginConflictError",
     "BackendUnavailableError",
     "LayoutError",
+    "AliasedGradientError",
     "ScalerStateError",
     "PluginWarning",
 ]

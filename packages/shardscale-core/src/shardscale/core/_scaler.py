@@ -520,10 +520,11 @@ class ShardedGradScaler:
         """torch's private helper, kept for code that calls it: unscale by ``inv_scale``.
 
         As torch's: it needs no scale of its own (torch's tests call it on a
-        scaler that never scaled a loss), it ORs the flag into ``found_inf``
-        and returns that same tensor keyed by its device. Unlike torch's, the
-        flag is already reduced over the scaler's process group, so code that
-        all-reduces it again still sees "nonzero iff any rank overflowed".
+        scaler that never scaled a loss), leaves ``found_inf`` as it was and
+        returns a copy of it per device, set where a gradient overflowed.
+        Unlike torch's, that flag is already reduced over the scaler's process
+        group, so code that all-reduces it again still sees "nonzero iff any
+        rank overflowed".
         """
         if not allow_fp16:
             for param in optimizer_params(optimizer):
@@ -532,8 +533,8 @@ class ShardedGradScaler:
         # The engine places its result beside the scale; without one, beside inv_scale.
         scale = self._scale if self._scale is not None else inv_scale.reshape(-1)[0].reciprocal()
         result = self._run(optimizer, Apply.UNSCALE, unscale_by=inv_scale, scale=scale)
-        found_inf.copy_(torch.maximum(found_inf, result.found_inf.to(found_inf.device)))
-        return {found_inf.device: found_inf}
+        flag = torch.maximum(found_inf, result.found_inf.to(found_inf.device))
+        return {flag.device: flag}
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Any]:
         """torch's private helper: check (without unscaling) and record the reduced flags."""
