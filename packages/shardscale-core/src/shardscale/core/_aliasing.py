@@ -32,9 +32,15 @@ class AliasedGradientError(ShardscaleError, ValueError):
 
 def check_no_aliased_grads(buckets: GradBuckets) -> None:
     """Raise :class:`AliasedGradientError` if two local gradients start at the same element."""
+    by_device: dict[torch.device, list[int]] = {}
+    for (device, _), tensors in buckets.every.items():
+        # Empty shards may share an address and hold nothing.
+        by_device.setdefault(device, []).extend(t.data_ptr() for t in tensors if t.numel())
+    if all(len(set(ptrs)) == len(ptrs) for ptrs in by_device.values()):
+        return  # the common case: one set per device, no per-parameter bookkeeping
     seen: dict[tuple[torch.device, int], torch.Tensor] = {}
     for param, local in buckets.owner_pairs():
-        if local.numel() == 0:  # empty shards may share an address and hold nothing
+        if not local.numel():
             continue
         key = (local.device, local.data_ptr())
         first = seen.get(key)
