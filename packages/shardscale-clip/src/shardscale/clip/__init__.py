@@ -20,13 +20,14 @@ from __future__ import annotations
 from shardscale.clip._fused import unscale_and_clip_
 from shardscale.clip._norm import clip_grad_norm_, get_total_norm
 from shardscale.clip._streaming import StreamingStats
-from shardscale.core import BlasDotKernels, LoopKernels  # moved to core; kept importable here
+
+# Core built-ins now; still importable from here for code written earlier (documented in core).
+from shardscale.core import BlasDotKernels as BlasDotKernels
+from shardscale.core import LoopKernels as LoopKernels
 
 __all__ = [
     "get_total_norm",
     "clip_grad_norm_",
     "unscale_and_clip_",
     "StreamingStats",
-    "LoopKernels",
-    "BlasDotKernels",
 ]
