@@ -197,6 +197,40 @@ def test_fsdp1_inf_gradient_skips_the_step_like_torch() -> None:
         assert torch.equal(t0, before)
 
 
+# -- scaler edge cases (test_torch.py / test_cuda.py) ----------------------------------------------
+
+
+def _adam_run(scaler: Any, *, invalidate: bool) -> tuple[list[torch.Tensor], float]:
+    torch.manual_seed(3)
+    model = nn.Linear(5, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 5), torch.randn(4, 1)
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale((model(x) - y).abs().sum()).backward()
+        if invalidate:
+            # Gradients replaced between unscale_ and step: the recorded decision still holds.
+            scaler.unscale_(opt)
+            for p in model.parameters():
+                p.grad = None
+            scaler.scale((model(x) - y).abs().sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    return [p.detach().clone() for p in model.parameters()], scaler.get_scale()
+
+
+@pytest.mark.parametrize("invalidate", [False, True], ids=["plain", "grads-replaced"])
+def test_scale_near_float32_max_and_replaced_grads_like_torch(invalidate: bool) -> None:
+    # torch's "grad scale will not overflow" (growth past float32's max is refused) and
+    # "params invalidated with grads invalidated between unscale and step".
+    args: dict[str, Any] = {"growth_interval": 1, "growth_factor": 2.0**4, "init_scale": 1e38}
+    theirs, theirs_scale = _adam_run(torch.amp.GradScaler("cpu", **args), invalidate=invalidate)
+    ours, ours_scale = _adam_run(ShardedGradScaler("cpu", **args), invalidate=invalidate)
+    assert ours_scale == theirs_scale and math.isfinite(ours_scale)
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
+
+
 # -- whole loops (test_torch.py: clipping, separate unscale, penalty, accumulation, several) ------
 
 _SKIP_ITER = 2
