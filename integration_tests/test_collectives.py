@@ -7,7 +7,6 @@ values are computed here in the parent from the same per-rank inputs.
 from __future__ import annotations
 
 import copy
-import datetime
 from typing import Any
 
 import pytest
@@ -15,10 +14,11 @@ import torch
 import torch.distributed as dist
 from mp_harness import Pool
 
+from shardscale.core.testing import COUNTING_GLOO
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 WORLD_POOLS = ["pool2", "pool4"]
-CUSTOM = "sscountinggloo"
 
 
 def _pool(request: pytest.FixtureRequest, name: str) -> Pool:
@@ -105,32 +105,12 @@ def _coalescing_case() -> dict[str, Any]:
     }
 
 
-class CountingGlooGroup(dist.ProcessGroup):
-    """A custom torch.distributed backend written in Python: gloo underneath, calls counted."""
-
-    calls = 0
-
-    def __init__(
-        self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
-    ) -> None:
-        super().__init__(rank, size)
-        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
-
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        type(self).calls += 1
-        return self._gloo.allreduce(tensors, opts)
-
-    def getBackendName(self) -> str:
-        return CUSTOM
-
-
 def _custom_backend_case() -> dict[str, Any]:
     from shardscale.collectives import CountingMiddleware, find_middleware
     from shardscale.core import BackendUnavailableError, ReduceOp, get_registry
+    from shardscale.core.testing import CountingGlooGroup, counting_gloo_group
 
-    if not hasattr(dist.Backend, CUSTOM.upper()):
-        dist.Backend.register_backend(CUSTOM, CountingGlooGroup, devices=["cpu"])
-    group = dist.new_group(backend=CUSTOM)
+    group = counting_gloo_group()
     rank = dist.get_rank()
     backend = get_registry().make_backend("counting+c10d")
     calls_before = CountingGlooGroup.calls
@@ -309,13 +289,13 @@ def test_custom_torch_backend_is_reached_through_c10d(
     results = pool.run(_custom_backend_case, timeout=60)
     for result in results:
         assert isinstance(result, dict)
-        assert result["backend_name"] == CUSTOM
+        assert result["backend_name"] == COUNTING_GLOO
         assert result["sum"] == _expected(pool.world_size, "float32", "sum")
         assert result["max"] == _expected(pool.world_size, "float32", "max")
         assert result["custom_calls"] == 2
         assert result["counted"] == 2
         assert result["calls_after_refusal"] == 2  # gloo refused before issuing anything
-        assert f"uses {CUSTOM!r} for cpu tensors" in result["gloo_refusal"]
+        assert f"uses {COUNTING_GLOO!r} for cpu tensors" in result["gloo_refusal"]
         assert "'c10d'" in result["gloo_refusal"]
 
 

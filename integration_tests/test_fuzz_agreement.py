@@ -48,7 +48,8 @@ import torch.distributed as dist
 from mp_harness import Pool
 from torch import nn
 
-from shardscale.core import ShardedGradScaler, StepRecord, get_registry, hookimpl
+from shardscale.core import ShardedGradScaler, get_registry
+from shardscale.core.testing import StepRecorder
 
 STEPS = int(os.environ.get("SHARDSCALE_FUZZ_STEPS", "40"))
 #: Seconds the harness gives one layout's run before it counts as a hang.
@@ -100,17 +101,6 @@ def make_schedule(
             dropped.append((rng.randrange(world), rng.randrange(n_params)))
         plan.append(StepPlan(tuple(injections), tuple(dropped), rng.choice(MODES)))
     return plan
-
-
-class _Observer:
-    """A ``shardscale_on_step`` plugin: what the scaler decided, without reaching inside it."""
-
-    def __init__(self) -> None:
-        self.records: list[StepRecord] = []
-
-    @hookimpl
-    def shardscale_on_step(self, record: StepRecord) -> None:
-        self.records.append(record)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -217,7 +207,7 @@ def _case_fuzz(layout: str, steps: int) -> dict[str, Any]:
     scaler = ShardedGradScaler("cpu", backend="c10d", **SCALER_ARGS)
     ref_scaler = torch.amp.GradScaler("cpu", **SCALER_ARGS)
     stream = StreamingStats(params, scaler)
-    observer = _Observer()
+    observer = StepRecorder()
     registry = get_registry()
     name = registry.register(observer, name=f"fuzz-observer-{layout}")
     summary = _Summary()

@@ -1,4 +1,4 @@
-"""Norms that cannot overflow, float64 norms, and the deliberate float16 difference.
+"""Norms that cannot overflow, float64 norms, and float16 norms returned in torch's dtype.
 
 Regression tests: with p >= 6 at scale 2^16, Σ|s·g|^p overflowed float32, so
 finite steps were skipped and the scale collapsed while torch's ``unscale_`` +
@@ -74,21 +74,35 @@ def test_float64_gradients_get_a_float64_norm_like_torch(p: float) -> None:
     assert abs(float(ours) - float(ref)) <= 2 * norm_rtol(n, torch.float64, p) * exact
 
 
-def test_float16_gradients_get_a_float32_norm_on_purpose() -> None:
-    # torch returns the gradients' dtype and overflows at 65504; docs/migration.md lists this.
+def test_float16_gradients_get_torch_dtype_and_are_clipped_by_the_true_norm() -> None:
+    # torch returns the gradients' dtype, so a norm above 65504 reads inf in both; torch then
+    # clips by that inf (every gradient becomes 0), ours by the float32 value it computed
+    # first (docs/migration.md lists the difference).
     grads = [torch.full((10_000,), 60_000.0, dtype=torch.float16)]
     ref = torch.nn.utils.get_total_norm(grads)
     ours = get_total_norm(grads)
-    assert ref.dtype is torch.float16 and not math.isfinite(float(ref))
-    bound = norm_rtol(10_000, torch.float16, 2.0)  # float32 accumulation of 10 000 squares
-    assert ours.dtype is torch.float32 and float(ours) == pytest.approx(6e6, rel=bound)
+    assert ref.dtype is ours.dtype is torch.float16
+    assert math.isinf(float(ref)) and math.isinf(float(ours))
+    theirs_p = torch.nn.Parameter(torch.zeros(10_000, dtype=torch.float16))
+    ours_p = torch.nn.Parameter(torch.zeros(10_000, dtype=torch.float16))
+    theirs_p.grad, ours_p.grad = grads[0].clone(), grads[0].clone()
+    torch.nn.utils.clip_grad_norm_([theirs_p], 1.0)
+    clip_grad_norm_([ours_p], 1.0)
+    assert theirs_p.grad is not None and float(theirs_p.grad.abs().max()) == 0.0
+    assert ours_p.grad is not None
+    # The clipped norm is 1 up to the float32 norm's bound and one float16 rounding per element.
+    bound = norm_rtol(10_000, torch.float16, 2.0) + torch.finfo(torch.float16).eps
+    clipped = float(torch.linalg.vector_norm(ours_p.grad.double()))
+    assert clipped == pytest.approx(1.0, rel=bound)
 
 
 def test_a_rank_without_gradients_warns_like_fsdp1() -> None:
     params = [torch.nn.Parameter(torch.ones(3))]
-    with pytest.warns(UserWarning, match="no gradients"):
+    # FSDP1's words, which torch's own FSDP1 test matches.
+    expected = "on rank 0 with no gradients -- returning the total norm in the default dtype"
+    with pytest.warns(UserWarning, match=f"{expected} torch.float32"):
         norm = clip_grad_norm_(params, 1.0)
-    assert float(norm) == 0.0
+    assert float(norm) == 0.0 and norm.dtype is torch.float32
     params[0].grad = torch.ones(3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

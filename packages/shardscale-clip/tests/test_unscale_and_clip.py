@@ -30,10 +30,8 @@ from shardscale.core import (
     LocalBackend,
     ReduceOp,
     ShardedGradScaler,
-    StepRecord,
-    get_registry,
-    hookimpl,
 )
+from shardscale.core.testing import recording_steps
 
 POISON = {2: math.inf, 5: math.nan}
 STEPS = 9
@@ -309,20 +307,8 @@ def test_overflow_skips_fused_step_and_reports_nonfinite_norm() -> None:
     assert all(float(s["step"]) == 0 for s in opt.state.values())
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.records: list[StepRecord] = []
-
-    @hookimpl
-    def shardscale_on_step(self, record: StepRecord) -> None:
-        self.records.append(record)
-
-
 def test_observers_receive_the_norm() -> None:
-    recorder = Recorder()
-    registry = get_registry()
-    name = registry.register(recorder, name="clip-test-recorder")
-    try:
+    with recording_steps() as recorder:
         model = make_model(torch.float32)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = ShardedGradScaler("cpu", backend="local")
@@ -330,8 +316,6 @@ def test_observers_receive_the_norm() -> None:
         norm = unscale_and_clip_(scaler, opt, 1.0)
         scaler.step(opt)
         scaler.update()
-    finally:
-        registry.unregister(name)
     assert len(recorder.records) == 1
     assert recorder.records[0].grad_norm is not None
     assert torch.equal(recorder.records[0].grad_norm, norm)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import importlib.metadata as md
 
 import pytest
@@ -17,35 +16,9 @@ from shardscale.collectives import (
     WorkHandle,
 )
 from shardscale.core import BackendUnavailableError, ReduceOp, get_registry
+from shardscale.core.testing import COUNTING_GLOO, CountingGlooGroup, counting_gloo_group
 
 pytestmark = pytest.mark.usefixtures("world1")
-
-CUSTOM = "sscollecttestpg"
-
-
-class CountingGlooGroup(dist.ProcessGroup):
-    """A custom torch.distributed backend written in Python: gloo underneath, calls counted."""
-
-    calls = 0
-
-    def __init__(
-        self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
-    ) -> None:
-        super().__init__(rank, size)
-        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
-
-    def allreduce(self, tensors: list[torch.Tensor], opts: object) -> dist.Work:
-        type(self).calls += 1
-        return self._gloo.allreduce(tensors, opts)
-
-    def getBackendName(self) -> str:
-        return CUSTOM
-
-
-def _custom_group() -> dist.ProcessGroup:
-    if not hasattr(dist.Backend, CUSTOM.upper()):
-        dist.Backend.register_backend(CUSTOM, CountingGlooGroup, devices=["cpu"])
-    return dist.new_group(backend=CUSTOM)
 
 
 def test_registry_lists_our_backends_and_middleware() -> None:
@@ -139,8 +112,8 @@ def test_nccl_on_a_gloo_group_says_what_it_found_and_how_to_fix() -> None:
 
 
 def test_custom_torch_backend_is_reached_through_c10d() -> None:
-    group = _custom_group()
-    assert dist.get_backend(group) == CUSTOM
+    group = counting_gloo_group()
+    assert dist.get_backend(group) == COUNTING_GLOO
     before = CountingGlooGroup.calls
     tensor = torch.tensor([3.0, 4.0])
     C10dBackend().all_reduce(tensor, op=ReduceOp.SUM, group=group).wait()
@@ -149,12 +122,12 @@ def test_custom_torch_backend_is_reached_through_c10d() -> None:
 
 
 def test_gloo_on_a_custom_group_says_what_it_found_and_how_to_fix() -> None:
-    group = _custom_group()
+    group = counting_gloo_group()
     before = CountingGlooGroup.calls
     with pytest.raises(BackendUnavailableError) as info:
         GlooBackend().all_reduce(torch.ones(1), op=ReduceOp.SUM, group=group)
     message = str(info.value)
-    assert f"uses {CUSTOM!r} for cpu tensors" in message
+    assert f"uses {COUNTING_GLOO!r} for cpu tensors" in message
     assert "needs a process group using gloo" in message
     assert "backend='gloo'" in message and "'c10d'" in message
     assert CountingGlooGroup.calls == before  # refused before anything was issued

@@ -321,7 +321,7 @@ def test_the_automatic_backend_is_declared_never_named_by_core(
 
 
 # Item names that belong to other distributions of this repository.
-_FOREIGN_ITEMS = ("c10d", "gloo", "nccl", "counting", "coalescing", "dtensor", "fsdp1", "blas-dot")
+_FOREIGN_ITEMS = ("c10d", "gloo", "nccl", "counting", "coalescing", "dtensor", "fsdp1")
 
 
 def test_core_code_names_only_its_own_items() -> None:

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from shardscale.core import ShardedGradScaler, StepRecord, get_registry, hookimpl
+from shardscale.core import ShardedGradScaler
+from shardscale.core.testing import recording_steps
 
 
 def _drive(scaler: ShardedGradScaler, overflow_steps: set[int], n: int) -> list[float]:
@@ -103,24 +104,10 @@ def test_options_survive_a_state_dict_round_trip() -> None:
     assert b.get_hysteresis() == 3
 
 
-class _Recorder:
-    def __init__(self) -> None:
-        self.records: list[StepRecord] = []
-
-    @hookimpl
-    def shardscale_on_step(self, record: StepRecord) -> None:
-        self.records.append(record)
-
-
 def test_step_records_reach_plugins_after_update() -> None:
-    recorder = _Recorder()
-    registry = get_registry()
-    name = registry.register(recorder, name="test-recorder")
-    try:
+    with recording_steps() as recorder:
         scaler = ShardedGradScaler("cpu", backend="local", init_scale=16.0, growth_interval=100)
         scales = _drive(scaler, {1}, 3)
-    finally:
-        registry.unregister(name)
     assert [r.step for r in recorder.records] == [1, 2, 3]
     assert [bool(r.skipped) for r in recorder.records] == [False, True, False]
     assert [float(r.scale) for r in recorder.records] == scales

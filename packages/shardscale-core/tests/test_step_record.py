@@ -6,26 +6,15 @@ import math
 
 import torch
 
-from shardscale.core import ShardedGradScaler, StepRecord, get_registry, hookimpl
-
-
-class _Recorder:
-    def __init__(self) -> None:
-        self.records: list[StepRecord] = []
-
-    @hookimpl
-    def shardscale_on_step(self, record: StepRecord) -> None:
-        self.records.append(record)
+from shardscale.core import ShardedGradScaler
+from shardscale.core.testing import recording_steps
 
 
 def test_hysteresis_tracker_and_nonfinite_counts_of_two_optimizers() -> None:
-    recorder = _Recorder()
-    registry = get_registry()
-    name = registry.register(recorder, name="test-step-record")
     a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
     opt_a, opt_b = torch.optim.SGD([a], lr=0.0), torch.optim.SGD([b], lr=0.0)
     scaler = ShardedGradScaler("cpu", backend="local", init_scale=8.0, hysteresis=2)
-    try:
+    with recording_steps() as recorder:
         for step in range(4):
             opt_a.zero_grad()
             opt_b.zero_grad()
@@ -36,8 +25,6 @@ def test_hysteresis_tracker_and_nonfinite_counts_of_two_optimizers() -> None:
             scaler.step(opt_a)
             scaler.step(opt_b)
             scaler.update()
-    finally:
-        registry.unregister(name)
     records = recorder.records
     assert [int(r.hysteresis_tracker) for r in records] == [2, 1, 1, 2]  # type: ignore[arg-type]
     assert [float(r.scale) for r in records] == [8.0, 8.0, 4.0, 4.0]
@@ -48,14 +35,9 @@ def test_hysteresis_tracker_and_nonfinite_counts_of_two_optimizers() -> None:
 
 
 def test_update_with_new_scale_makes_no_record() -> None:
-    recorder = _Recorder()
-    registry = get_registry()
-    name = registry.register(recorder, name="test-step-record-new-scale")
-    try:
+    with recording_steps() as recorder:
         p = torch.nn.Parameter(torch.ones(2))
         scaler = ShardedGradScaler("cpu", backend="local")
         scaler.scale(p.sum()).backward()
         scaler.update(new_scale=2.0)
-    finally:
-        registry.unregister(name)
     assert recorder.records == []

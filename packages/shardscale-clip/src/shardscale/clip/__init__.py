@@ -17,17 +17,17 @@ DDP, tensor-parallel and multi-mesh models.
 
 from __future__ import annotations
 
-from shardscale.clip._blas_kernels import BlasDotKernels
 from shardscale.clip._fused import unscale_and_clip_
-from shardscale.clip._loop_kernels import LoopKernels
 from shardscale.clip._norm import clip_grad_norm_, get_total_norm
 from shardscale.clip._streaming import StreamingStats
+
+# Core built-ins now; still importable from here for code written earlier (documented in core).
+from shardscale.core import BlasDotKernels as BlasDotKernels
+from shardscale.core import LoopKernels as LoopKernels
 
 __all__ = [
     "get_total_norm",
     "clip_grad_norm_",
     "unscale_and_clip_",
     "StreamingStats",
-    "LoopKernels",
-    "BlasDotKernels",
 ]

@@ -69,15 +69,31 @@ def _config(
     )
 
 
-def _warn_if_no_grads(items: list[torch.Tensor], *, as_grads: bool) -> None:
-    # As FSDP1's clip_grad_norm_ does: a rank without gradients still joins the reduction.
-    if not as_grads and items and all(getattr(p, "grad", None) is None for p in items):
+def _norm_dtype(grads: list[torch.Tensor]) -> torch.dtype:
+    """The dtype torch returns the norm in: the promotion of the gradients' dtypes.
+
+    torch stacks the per-tensor norms (which promotes) and FSDP1 reduces
+    ``torch.promote_types`` over the local gradients; with no gradient both
+    return the default dtype. The engine computes in float32/float64 (see
+    docs/migration.md); only the returned value is cast.
+    """
+    dtype: torch.dtype | None = None
+    for g in grads:
+        dtype = g.dtype if dtype is None else torch.promote_types(dtype, g.dtype)
+    return dtype if dtype is not None else torch.get_default_dtype()
+
+
+def _warn_if_no_grads(items: list[torch.Tensor]) -> None:
+    # FSDP1's clip_grad_norm_ warns in these words: a rank without gradients still joins the
+    # reduction, and its result's dtype cannot follow gradients it does not have.
+    if items and all(getattr(p, "grad", None) is None for p in items):
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         warnings.warn(
-            f"clip_grad_norm_ was called on rank {rank} with no gradients; it still joins the "
-            "reduction and returns the global norm of the other ranks' gradients.",
+            f"Called clip_grad_norm_() on rank {rank} with no gradients -- returning the total "
+            f"norm in the default dtype {torch.get_default_dtype()} (this rank still joins the "
+            "reduction: the value is the global norm of the other ranks' gradients)",
             stacklevel=3,
         )
 
@@ -103,9 +119,11 @@ def get_total_norm(
     all-reduce over ``process_group`` gives the exact global value.
 
     Returns a plain 0-dim tensor (never a DTensor) with the same value on every
-    rank, on the device of the first gradient: float64 when any gradient is
-    float64 (as torch), else float32 (torch returns float16/bfloat16 for
-    half-precision gradients, which overflows at 65504; see docs/migration.md).
+    rank, on the device of the first gradient, in torch's dtype: the promotion
+    of the gradients' dtypes (float16 for float16 gradients), or the default
+    dtype when there are none. It is computed in float32 (float64 for float64
+    gradients) and only then cast, so clipping uses the exact value even
+    where a float16 result reads inf (above 65504; see docs/migration.md).
     Plain tensors are taken to be replicated over the group (DDP); pass
     ``distinct_dims=("*",)`` when each rank holds different ones. FSDP1
     gradients are only recognised through their parameters: use
@@ -153,7 +171,7 @@ def get_total_norm(
         nonfinite_error=nonfinite,
     )
     assert result.norm is not None
-    return result.norm
+    return result.norm.to(_norm_dtype(items))
 
 
 def clip_grad_norm_(
@@ -196,7 +214,6 @@ def clip_grad_norm_(
         kernels=kernels,
         registry=registry,
     )
-    _warn_if_no_grads(params, as_grads=False)
     result = run_step(
         params,
         config,
@@ -206,4 +223,5 @@ def clip_grad_norm_(
         nonfinite_error=nonfinite,
     )
     assert result.norm is not None
-    return result.norm
+    _warn_if_no_grads(params)
+    return result.norm.to(_norm_dtype([p.grad for p in params if p.grad is not None]))

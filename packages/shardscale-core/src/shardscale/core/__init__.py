@@ -14,6 +14,8 @@ Quick start::
 
 from __future__ import annotations
 
+from shardscale.core._aliasing import AliasedGradientError
+from shardscale.core._blas_kernels import BlasDotKernels
 from shardscale.core._contract import (
     check_distinct_dims,
     check_error_if_nonfinite,
@@ -38,6 +40,7 @@ from shardscale.core._gradients import GradBuckets, collect_grads, optimizer_par
 from shardscale.core._held_scheduler import SkipAwareScheduler
 from shardscale.core._hookspecs import ENTRY_POINT_GROUP, HOOK_KINDS, PROJECT, hookimpl
 from shardscale.core._local import LocalBackend
+from shardscale.core._loop_kernels import LoopKernels
 from shardscale.core._lr_schedule import (
     ConstantSchedule,
     CosineSchedule,
@@ -157,6 +160,8 @@ __all__ = [
     "PlainTensorAdapter",
     "is_fsdp1_param",
     "ForeachKernels",
+    "BlasDotKernels",
+    "LoopKernels",
     # gradient collection shared with shardscale.clip
     "GradBuckets",
     "collect_grads",
@@ -167,6 +172,7 @@ __all__ = [
     "PluginConflictError",
     "BackendUnavailableError",
     "LayoutError",
+    "AliasedGradientError",
     "ScalerStateError",
     "PluginWarning",
 ]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shardscale.core._blas_kernels import BlasDotKernels
 from shardscale.core._foreach_kernels import ForeachKernels
 from shardscale.core._hookspecs import hookimpl
 from shardscale.core._local import LocalBackend
+from shardscale.core._loop_kernels import LoopKernels
 from shardscale.core._plain_adapter import PlainTensorAdapter
 
 __all__ = [
@@ -30,5 +32,10 @@ def shardscale_grad_adapters() -> Sequence[object]:
 
 @hookimpl
 def shardscale_stats_kernels() -> Sequence[object]:
-    """The foreach kernels, usable on every device."""
-    return [ForeachKernels()]
+    """Every built-in kernels: ``foreach`` (any device), ``blas-dot`` (CPU) and ``loop``.
+
+    All three are core's, so the automatic choice per device (highest priority
+    that supports it: ``blas-dot`` on the CPU, ``foreach`` elsewhere) does not
+    depend on which other shardscale distributions are installed.
+    """
+    return [ForeachKernels(), BlasDotKernels(), LoopKernels()]

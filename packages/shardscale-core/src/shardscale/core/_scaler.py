@@ -435,7 +435,7 @@ class ShardedGradScaler:
             optimizer_params(optimizer),
             config,
             apply=apply,
-            scale=self._scale,
+            scale=options.pop("scale", self._scale),
             scale_device_type=self._device,
             defer_errors=defer_errors,
             **options,
@@ -589,17 +589,22 @@ class ShardedGradScaler:
     ) -> dict[torch.device, torch.Tensor]:
         """torch's private helper, kept for code that calls it: unscale by ``inv_scale``.
 
-        Unlike torch's, the returned per-device flags (and ``found_inf``) are
-        already reduced over the scaler's process group, so code that
-        all-reduces them again still sees "nonzero iff any rank overflowed".
+        As torch's: it needs no scale of its own (torch's tests call it on a
+        scaler that never scaled a loss), leaves ``found_inf`` as it was and
+        returns a copy of it per device, set where a gradient overflowed.
+        Unlike torch's, that flag is already reduced over the scaler's process
+        group, so code that all-reduces it again still sees "nonzero iff any
+        rank overflowed".
         """
         if not allow_fp16:
             for param in optimizer_params(optimizer):
                 if param.grad is not None and param.grad.dtype is torch.float16:
                     raise ValueError("Attempting to unscale FP16 gradients.")
-        result = self._run(optimizer, Apply.UNSCALE, unscale_by=inv_scale)
-        found_inf.copy_(torch.maximum(found_inf, result.found_inf.to(found_inf.device)))
-        return {result.found_inf.device: result.found_inf}
+        # The engine places its result beside the scale; without one, beside inv_scale.
+        scale = self._scale if self._scale is not None else inv_scale.reshape(-1)[0].reciprocal()
+        result = self._run(optimizer, Apply.UNSCALE, unscale_by=inv_scale, scale=scale)
+        flag = torch.maximum(found_inf, result.found_inf.to(found_inf.device))
+        return {flag.device: flag}
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Any]:
         """torch's private helper: check (without unscaling) and record the reduced flags."""

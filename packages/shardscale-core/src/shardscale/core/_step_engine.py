@@ -77,6 +77,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from shardscale.core._aliasing import check_no_aliased_grads
 from shardscale.core._contract import check_max_norm, check_norm_type
 from shardscale.core._errors import LayoutError, ShardscaleError
 from shardscale.core._gradients import GradBuckets, collect_grads
@@ -466,6 +467,8 @@ def _collect(
         kernels = {
             dev: config.registry.kernels_for(dev, config.kernels) for dev in buckets.devices()
         }
+        if not as_grads:  # parameters: the step or the optimizer writes their .grad
+            check_no_aliased_grads(buckets)
     except Exception as exc:
         return _Local(buckets=GradBuckets(), error=exc, code=_error_code(exc))
     return _Local(buckets=buckets, norm_type=p, max_norm=limit, kernels=kernels)

@@ -1,4 +1,10 @@
-"""Test helpers for users and for shardscale's own tests: prove that a step never syncs.
+"""Test helpers for users and for shardscale's own tests.
+
+- :class:`HostReadRecorder`: prove that a step never syncs (below);
+- :func:`recording_steps`: collect every :class:`StepRecord` the registry's observers see;
+- :func:`counting_gloo_group`: a process group whose torch.distributed backend is gloo with
+  its all-reduce calls counted (:class:`CountingGlooGroup`), a custom backend as users
+  register them.
 
 :class:`HostReadRecorder` is a ``TorchDispatchMode`` that records every aten op that makes
 the host wait for a device value (``item()``/``float()``/``bool()`` and friends). Wrap one
@@ -11,11 +17,31 @@ op at all, the second is how asynchronous, pinned device-to-host copies are writ
 
 from __future__ import annotations
 
-from typing import Any
+import datetime
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HOST_READ_OPS", "HostReadRecorder"]
+from shardscale.core._hookspecs import hookimpl
+from shardscale.core._protocols import StepRecord
+from shardscale.core._registry import get_registry
+
+if TYPE_CHECKING:
+    from shardscale.core._registry import Registry
+
+__all__ = [
+    "COUNTING_GLOO",
+    "HOST_READ_OPS",
+    "CountingGlooGroup",
+    "HostReadRecorder",
+    "StepRecorder",
+    "counting_gloo_group",
+    "recording_steps",
+]
 
 #: aten ops whose result the host must wait for (the schema names a dispatch mode sees).
 HOST_READ_OPS: frozenset[str] = frozenset(
@@ -44,3 +70,73 @@ class HostReadRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if name in HOST_READ_OPS:
             self.seen.append(name)
         return func(*args, **(kwargs or {}))
+
+
+class StepRecorder:
+    """A ``shardscale_on_step`` observer that keeps every record, in order, in :attr:`records`."""
+
+    def __init__(self) -> None:
+        self.records: list[StepRecord] = []
+
+    @hookimpl
+    def shardscale_on_step(self, record: StepRecord) -> None:
+        """Keep ``record``."""
+        self.records.append(record)
+
+
+@contextmanager
+def recording_steps(
+    registry: Registry | None = None, *, name: str = "testing-step-recorder"
+) -> Iterator[StepRecorder]:
+    """Register a :class:`StepRecorder` for the ``with`` block, and unregister it after.
+
+    ``with recording_steps() as rec: ...`` then ``rec.records`` holds what every
+    ``scaler.update()`` in the block reported.
+    """
+    reg = registry if registry is not None else get_registry()
+    recorder = StepRecorder()
+    registered = reg.register(recorder, name=name)
+    try:
+        yield recorder
+    finally:
+        reg.unregister(registered)
+
+
+#: The torch.distributed backend name :func:`counting_gloo_group` registers.
+COUNTING_GLOO = "sscountinggloo"
+
+
+class CountingGlooGroup(dist.ProcessGroup):
+    """A torch.distributed backend written in Python: gloo underneath, all-reduces counted.
+
+    :attr:`calls` counts the all-reduce calls of every instance in this
+    process; read it before and after the code under test.
+    """
+
+    calls: ClassVar[int] = 0
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) overload
+        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:  # type: ignore[override]
+        """Count the call and let gloo do it."""
+        type(self).calls += 1
+        work: dist.Work = self._gloo.allreduce(tensors, opts)  # type: ignore[attr-defined]
+        return work
+
+    def getBackendName(self) -> str:
+        """The name this backend is registered under."""
+        return COUNTING_GLOO
+
+
+def counting_gloo_group() -> dist.ProcessGroup:
+    """A new group of every rank over :class:`CountingGlooGroup` (call it on every rank).
+
+    The backend is registered with torch.distributed on first use; the
+    default process group must already be initialized.
+    """
+    if not hasattr(dist.Backend, COUNTING_GLOO.upper()):
+        dist.Backend.register_backend(COUNTING_GLOO, CountingGlooGroup, devices=["cpu"])
+    group: dist.ProcessGroup = dist.new_group(backend=COUNTING_GLOO)
+    return group

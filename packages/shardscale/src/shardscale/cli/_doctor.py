@@ -392,13 +392,13 @@ def _plugin_checks() -> Iterator[Finding]:
                               "block one, or ask their authors for distinct priorities")  # fmt: skip
     usable = sorted(f"{i.kind}:{i.name}" for i in items if i.usable)
     yield Finding("plugins", "ok", f"{len(usable)} usable: {', '.join(usable)}")
+    # shardscale-clip registers no plugin (its kernels are core's built-ins): not listed here.
     for dist_name, what in (("shardscale-collectives", "c10d backend"),
-                            ("shardscale-clip", "unscale_and_clip_"),
                             ("shardscale-fsdp", "FSDP/DTensor adapters")):  # fmt: skip
         if not any(i.distribution == dist_name for i in items) and not any(
             f.distribution == dist_name for f in failures
         ):
-            yield Finding(dist_name, "warn" if dist_name != "shardscale-clip" else "info",
+            yield Finding(dist_name, "warn",
                           f"{dist_name} registers no plugins here ({what})",
                           f"pip install {dist_name}")  # fmt: skip
 

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from shardscale.core import ForeachKernels
+from shardscale.core._foreach_kernels import ForeachKernels
 
 __all__ = ["BlasDotKernels"]
 
