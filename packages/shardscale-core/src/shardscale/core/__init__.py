@@ -35,6 +35,7 @@ from shardscale.core._errors import (
 from shardscale.core._foreach_kernels import ForeachKernels
 from shardscale.core._gradients import GradBuckets, collect_grads, optimizer_params
 from shardscale.core._hookspecs import ENTRY_POINT_GROUP, HOOK_KINDS, PROJECT, hookimpl
+from shardscale.core._iteration import Iteration, step_and_flag
 from shardscale.core._local import LocalBackend
 from shardscale.core._middleware_base import MiddlewareBase
 from shardscale.core._overflow import OverflowReport
@@ -81,6 +82,9 @@ __all__ = [
     "ShardedGradScaler",
     "OptState",
     "OverflowReport",
+    # several optimizers, one update (front ends: see [Note: one update per iteration])
+    "Iteration",
+    "step_and_flag",
     # the step engine every caller goes through
     "run_step",
     "StepConfig",
