@@ -21,8 +21,12 @@ def _branches(fused: bool) -> tuple[list[torch.nn.Linear], list[torch.optim.Opti
     return [a, b], [torch.optim.Adam(m.parameters(), lr=0.1, **kw) for m in (a, b)]
 
 
-def _backward(scaler: ShardedGradScaler | torch.amp.GradScaler, models: list[torch.nn.Linear],
-              *, overflow_b: bool) -> None:  # fmt: skip
+def _backward(
+    scaler: ShardedGradScaler | torch.amp.GradScaler,
+    models: list[torch.nn.Linear],
+    *,
+    overflow_b: bool,
+) -> None:
     x = torch.arange(6.0).reshape(2, 3) / 6
     loss = sum(m(x).square().sum() for m in models)
     scaler.scale(loss).backward()
