@@ -38,6 +38,7 @@ __all__ = [
     "inject_inf",
     "mlp",
     "run_against_reference",
+    "torch_steps",
     "train",
 ]
 
@@ -185,6 +186,18 @@ class Summary:
     param_err: float
     norm_err: float
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def torch_steps(scaler: torch.amp.GradScaler, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+    """torch's recipe for several optimizers, once each was unscaled or clipped: ``scaler.step``
+    each, ONE ``update()``, then zero the gradients. True when the scale backed off (skipped)."""
+    before = scaler.get_scale()
+    for opt in optimizers:
+        scaler.step(opt)
+    scaler.update()
+    for opt in optimizers:
+        opt.zero_grad()
+    return scaler.get_scale() < before
 
 
 def _max_err(a: Sequence[float], b: Sequence[float]) -> float:

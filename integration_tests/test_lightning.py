@@ -31,6 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from mp_harness import Pool
+from scaler_support import torch_steps
 from tolerances import clipped_grad_rtol, norm_rtol
 
 pl = pytest.importorskip("lightning.pytorch")
@@ -428,15 +429,9 @@ def _torch_manual_loop(count: int, loader: Any) -> dict[str, Any]:
             scaler.unscale_(opt)
             params = [p for g in opt.param_groups for p in g["params"]]
             norms.append(torch.nn.utils.clip_grad_norm_(params, CLIP))
-        before = scaler.get_scale()
-        for opt in opts:
-            scaler.step(opt)
-        scaler.update()
-        for opt in opts:
-            opt.zero_grad()
+        skipped = torch_steps(scaler, opts)
         norm = float(torch.linalg.vector_norm(torch.stack(norms).double()))
-        rows.append({"scale": scaler.get_scale(), "skipped": scaler.get_scale() < before,
-                     "norm": norm})  # fmt: skip
+        rows.append({"scale": scaler.get_scale(), "skipped": skipped, "norm": norm})
     return {"rows": rows, "params": [p.detach().clone() for p in net.parameters()]}
 
 

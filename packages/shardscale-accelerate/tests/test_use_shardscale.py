@@ -34,8 +34,8 @@ from shardscale.accelerate import (
     is_using_shardscale,
     use_shardscale,
 )
-from shardscale.core import ShardedGradScaler
-from shardscale.core.testing import HostReadRecorder
+from shardscale.core import Registry, ShardedGradScaler
+from shardscale.core.testing import HostReadRecorder, RecordingKernels
 
 
 @pytest.fixture(autouse=True)
@@ -344,3 +344,29 @@ def test_unscale_then_clip_unscales_once() -> None:
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), unscaled, strict=True))  # type: ignore[arg-type]
     opt.step()
     assert not acc.optimizer_step_was_skipped
+
+
+@pytest.mark.parametrize("subset", [False, True], ids=["all-params", "subset"])
+@pytest.mark.parametrize("kernels", ["recording", None])
+def test_both_clip_paths_use_the_scalers_kernels(subset: bool, kernels: str | None) -> None:
+    # The recording kernels run only when the scaler names them; "norms" is a clip's norm read
+    # (the scaler's own unscale records "unscale"). A clip that dropped the scaler's kernels
+    # would read the norm with the built-in ones.
+    recorder = RecordingKernels()
+    registry = Registry()
+    registry.register(recorder, name="recording-kernels")
+    acc = _accelerator()
+    use_shardscale(acc, scaler=ShardedGradScaler("cpu", kernels=kernels, registry=registry))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.backward(model(torch.randn(4, 4, generator=torch.Generator().manual_seed(1))).sum())
+    # One optimizer's parameters: the clip fused with the unscale; a subset: unscale_gradients,
+    # then the scaler's clip.
+    norm = acc.clip_grad_norm_(model[-1].parameters() if subset else model.parameters(), 0.01)
+    opt.step()
+    assert torch.isfinite(norm)
+    if kernels is None:
+        assert recorder.calls == []  # never chosen by itself
+    else:
+        assert recorder.calls.count("norms") == 1 and recorder.calls.count("mul") == 1

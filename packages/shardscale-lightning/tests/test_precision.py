@@ -22,8 +22,8 @@ from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from packaging.requirements import Requirement
 
-from shardscale.core import ShardedGradScaler
-from shardscale.core.testing import HostReadRecorder
+from shardscale.core import Registry, ShardedGradScaler
+from shardscale.core.testing import HostReadRecorder, RecordingKernels
 from shardscale.lightning import ShardscalePrecision, hold_on_skipped_steps, is_held
 
 # -- what the plugin relies on in Lightning ---------------------------------------------------
@@ -340,3 +340,67 @@ def test_manual_two_optimizers_skip_on_their_own_overflow_with_one_backoff() -> 
         for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
             assert torch.equal(p, q)  # the same float32 arithmetic, step for step
     assert plugin.scaler is not None and plugin.scaler.get_scale() == ref.get_scale() == 32.0
+
+
+# -- the scaler's kernels reach every clip path ----------------------------------------------
+
+
+class _Clipping(pl.LightningModule):
+    """``how``: the Trainer's clip (fused with the unscale), the module's own clip hook after the
+    unscale (the scaler's clip), or a manual ``self.clip_gradients`` (fused)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 2)
+        self.how = how
+        self.automatic_optimization = how != "manual"
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        loss = self.lin(batch[0]).square().mean()
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.01, gradient_clip_algorithm="norm")
+        opt.step()
+        opt.zero_grad()
+        return None
+
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+    ) -> None:
+        if self.how == "hook":
+            self.clip_gradients(optimizer, gradient_clip_val=0.01, gradient_clip_algorithm="norm")
+        else:
+            super().configure_gradient_clipping(
+                optimizer, gradient_clip_val, gradient_clip_algorithm
+            )
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("how", ["trainer", "hook", "manual"])
+@pytest.mark.parametrize("kernels", ["recording", None])
+def test_every_clip_path_uses_the_scalers_kernels(how: str, kernels: str | None) -> None:
+    # The recording kernels run only when the scaler names them; "norms" is a clip's norm read
+    # (the scaler's own unscale records "unscale"). A clip that dropped the scaler's kernels
+    # would read the norm with the built-in ones.
+    recorder = RecordingKernels()
+    registry = Registry()
+    registry.register(recorder, name="recording-kernels")
+    scaler = ShardedGradScaler("cpu", init_scale=256.0, kernels=kernels, registry=registry)
+    plugin = ShardscalePrecision("16-mixed", device="cpu", scaler=scaler)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, plugins=[plugin], max_steps=2, logger=False,
+        gradient_clip_val=0.01 if how == "trainer" else None,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    trainer.fit(_Clipping(how), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), 4))
+    assert plugin.grad_norm is not None  # it clipped
+    if kernels is None:
+        assert recorder.calls == []  # never chosen by itself
+    else:  # both steps: the norm and the clip's multiply in the scaler's kernels
+        assert recorder.calls.count("norms") >= 2 and recorder.calls.count("mul") >= 2

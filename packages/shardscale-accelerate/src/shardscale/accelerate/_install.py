@@ -9,7 +9,10 @@ What it changes, on that instance only (see [Note: why a contract check]):
 * ``prepare_optimizer`` returns optimizers of a subclass,
   :class:`ShardscaleAcceleratedOptimizer`, whose ``step`` is ``scaler.step``
   with ONE scaler update per iteration however many optimizers step (see
-  [Note: one update per iteration]), and whose ``step_was_skipped`` is that
+  [Note: one update per iteration], in shardscale.core: the iteration ends
+  after a step when no prepared optimizer is still due, else when
+  ``accelerator.backward`` runs again or an optimizer that already stepped is
+  unscaled, clipped or stepped again), and whose ``step_was_skipped`` is that
   optimizer's own skip flag, read only when asked (Accelerate derives it from
   whether ``optimizer.step`` was called, which a fused optimizer always is).
 * ``backward`` first ends an iteration whose update is still pending.
@@ -34,9 +37,8 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 from shardscale.accelerate._contract import check_accelerate
-from shardscale.accelerate._iteration import Iteration, inner, step_and_flag
 from shardscale.clip import unscale_and_clip_
-from shardscale.core import ShardedGradScaler, optimizer_params
+from shardscale.core import Iteration, ShardedGradScaler, optimizer_params
 
 __all__ = ["ShardscaleAcceleratedOptimizer", "use_shardscale", "is_using_shardscale"]
 
@@ -46,6 +48,25 @@ _REFUSED = {
     DistributedType.MEGATRON_LM: "Megatron-LM scales and clips inside its optimizer",
     DistributedType.XLA: "XLA has its own scaler (torch_xla.amp)",
 }
+
+
+def _inner(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer an ``AcceleratedOptimizer`` wraps."""
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer  # type: ignore[no-any-return]
+
+
+class _Iteration(Iteration):
+    """The scaler's iteration over the optimizers one ``Accelerator`` prepared."""
+
+    def __init__(self, scaler: ShardedGradScaler, prepared: list[Any]) -> None:
+        super().__init__(scaler)
+        self.prepared = prepared  # the Accelerator's own list: optimizers prepared later too
+
+    def any_due(self) -> bool:
+        """Whether a prepared optimizer has still to step before the update."""
+        return self.due(map(_inner, self.prepared))
 
 
 class ShardscaleAcceleratedOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
@@ -60,7 +81,7 @@ class ShardscaleAcceleratedOptimizer(AcceleratedOptimizer):  # type: ignore[misc
     holds.
     """
 
-    _shardscale_iteration: Iteration
+    _shardscale_iteration: _Iteration
 
     def step(self, closure: Any = None) -> None:
         """``scaler.step`` of the wrapped optimizer; the scaler's update when the iteration is over."""
@@ -73,14 +94,11 @@ class ShardscaleAcceleratedOptimizer(AcceleratedOptimizer):  # type: ignore[misc
             super().step(closure)  # Accelerate's own: a plain step, or nothing while accumulating
             return
         it = self._shardscale_iteration
-        if id(self.optimizer) in it.stepped:
+        if it.has_stepped(self.optimizer):
             it.end()  # stepped again without a new backward: the previous iteration is over
         kwargs = {} if closure is None else {"closure": closure}  # the scaler refuses closures
-        _, flag = step_and_flag(scaler, self.optimizer, **kwargs)
-        self._shardscale_skipped = flag
-        it.stepped[id(self.optimizer)] = flag
-        it.unscaled.discard(id(self.optimizer))
-        if not it.due():
+        _, self._shardscale_skipped = it.step(self.optimizer, **kwargs)
+        if not it.any_due():
             it.end()
 
     @property
@@ -92,8 +110,8 @@ class ShardscaleAcceleratedOptimizer(AcceleratedOptimizer):  # type: ignore[misc
         return bool(flag) if flag is not None else False
 
 
-def _iteration(accelerator: Accelerator) -> Iteration:
-    it: Iteration = accelerator.__dict__["_shardscale_iteration"]
+def _iteration(accelerator: Accelerator) -> _Iteration:
+    it: _Iteration = accelerator.__dict__["_shardscale_iteration"]
     return it
 
 
@@ -125,12 +143,10 @@ def _unscale_gradients(self: Accelerator, optimizer: Any = None) -> None:
     else:
         optimizers = [optimizer]
     it = _iteration(self)
-    for opt in map(inner, optimizers):
-        if id(opt) in it.stepped:
+    for opt in map(_inner, optimizers):
+        if it.has_stepped(opt):
             it.end()
-        if id(opt) not in it.unscaled:  # each optimizer once per iteration, as torch requires
-            scaler.unscale_(opt)
-            it.unscaled.add(id(opt))
+        it.unscale_(opt)  # each optimizer once per iteration, as torch requires
 
 
 def _clip_grad_norm_(
@@ -143,16 +159,15 @@ def _clip_grad_norm_(
     wanted = {id(p) for p in params if p.grad is not None}
     if wanted:
         for prepared in self._optimizers:
-            opt = inner(prepared)
+            opt = _inner(prepared)
             if {id(p) for p in optimizer_params(opt) if p.grad is not None} != wanted:
                 continue
-            if id(opt) in it.stepped:
+            if it.has_stepped(opt):
                 it.end()
             if id(opt) not in it.unscaled:
                 # The usual case (clip_grad_norm_(model.parameters(), ...)): one fused pass.
                 norm = unscale_and_clip_(scaler, opt, float(max_norm), float(norm_type))
-                if scaler.is_enabled():  # a disabled scaler's iterations are never recorded
-                    it.unscaled.add(id(opt))
+                it.mark_unscaled(opt)  # not while disabled: its iterations are never recorded
                 return norm
     # Several optimizers' parameters, a subset, or gradients already unscaled: unscale every
     # optimizer once (as Accelerate does), then clip exactly these with the scaler's config.
@@ -250,7 +265,7 @@ def use_shardscale(
         options.setdefault("enabled", accelerator.mixed_precision == "fp16")
         scaler = ShardedGradScaler(accelerator.device.type, **options)
     accelerator.scaler = scaler
-    accelerator.__dict__["_shardscale_iteration"] = Iteration(scaler, accelerator._optimizers)
+    accelerator.__dict__["_shardscale_iteration"] = _Iteration(scaler, accelerator._optimizers)
     # Instance attributes shadow the class's methods for this accelerator only.
     accelerator.prepare_optimizer = types.MethodType(_prepare_optimizer, accelerator)  # type: ignore[method-assign]
     accelerator.backward = types.MethodType(_backward, accelerator)  # type: ignore[method-assign]

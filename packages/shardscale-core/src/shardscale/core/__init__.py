@@ -39,6 +39,7 @@ from shardscale.core._foreach_kernels import ForeachKernels
 from shardscale.core._gradients import GradBuckets, collect_grads, optimizer_params
 from shardscale.core._held_scheduler import SkipAwareScheduler
 from shardscale.core._hookspecs import ENTRY_POINT_GROUP, HOOK_KINDS, PROJECT, hookimpl
+from shardscale.core._iteration import Iteration, step_and_flag
 from shardscale.core._local import LocalBackend
 from shardscale.core._loop_kernels import LoopKernels
 from shardscale.core._lr_schedule import (
@@ -109,6 +110,9 @@ __all__ = [
     "ExponentialSchedule",
     "WarmupSchedule",
     "update_averaged_model",
+    # several optimizers, one update (front ends: see [Note: one update per iteration])
+    "Iteration",
+    "step_and_flag",
     # the step engine every caller goes through
     "run_step",
     "StepConfig",

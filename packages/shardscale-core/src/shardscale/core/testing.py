@@ -4,13 +4,20 @@
 - :func:`recording_steps`: collect every :class:`StepRecord` the registry's observers see;
 - :func:`counting_gloo_group`: a process group whose torch.distributed backend is gloo with
   its all-reduce calls counted (:class:`CountingGlooGroup`), a custom backend as users
-  register them.
+  register them;
+- :class:`RecordingKernels`: show that a front end computes with the stats kernels its
+  scaler names.
 
 :class:`HostReadRecorder` is a ``TorchDispatchMode`` that records every aten op that makes
 the host wait for a device value (``item()``/``float()``/``bool()`` and friends). Wrap one
 training step in it; an empty :attr:`HostReadRecorder.seen` means the step queued its work
 and returned without reading a device value. On a CPU run "device" and host are one
 memory, so the recorder flags the *op*, which is what would synchronise on a GPU.
+
+:class:`RecordingKernels` are stats kernels that record which of their methods ran, ranked
+below every built-in so that they run only when named (``kernels="recording"``). Register
+one in a registry and hand that registry to a scaler: a front end that clips without the
+scaler's configuration computes its norm with other kernels, and ``calls`` shows it.
 ``tolist()`` and ``copy_`` into a host tensor are not in the set: the first is no dispatcher
 op at all, the second is how asynchronous, pinned device-to-host copies are written.
 """
@@ -18,7 +25,7 @@ op at all, the second is how asynchronous, pinned device-to-host copies are writ
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -26,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardscale.core._foreach_kernels import ForeachKernels
 from shardscale.core._hookspecs import hookimpl
 from shardscale.core._protocols import StepRecord
 from shardscale.core._registry import get_registry
@@ -41,6 +49,7 @@ __all__ = [
     "StepRecorder",
     "counting_gloo_group",
     "recording_steps",
+    "RecordingKernels",
 ]
 
 #: aten ops whose result the host must wait for (the schema names a dispatch mode sees).
@@ -140,3 +149,46 @@ def counting_gloo_group() -> dist.ProcessGroup:
         dist.Backend.register_backend(COUNTING_GLOO, CountingGlooGroup, devices=["cpu"])
     group: dist.ProcessGroup = dist.new_group(backend=COUNTING_GLOO)
     return group
+
+
+class RecordingKernels(ForeachKernels):
+    """The ``foreach`` kernels under the name ``"recording"``, noting each call in :attr:`calls`.
+
+    ``calls`` lists ``"unscale"`` (``unscale_and_check_``: a scaler's unscale),
+    ``"norms"`` (``tensor_norms``: a norm, as a clip computes) and ``"mul"``
+    (``mul_``: a clip's multiply) in the order they ran. The object is its own
+    plugin::
+
+        kernels = RecordingKernels()
+        registry = Registry()
+        registry.register(kernels, name="recording-kernels")
+        scaler = ShardedGradScaler("cpu", kernels="recording", registry=registry)
+    """
+
+    name: ClassVar[str] = "recording"
+    priority: ClassVar[int] = -100  # never the automatic choice
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    @hookimpl
+    def shardscale_stats_kernels(self) -> list[ForeachKernels]:
+        """The plugin hook: these kernels."""
+        return [self]
+
+    def unscale_and_check_(
+        self, tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+    ) -> None:
+        """Record ``"unscale"``, then the ``foreach`` unscale."""
+        self.calls.append("unscale")
+        super().unscale_and_check_(tensors, found_inf, inv_scale)
+
+    def tensor_norms(self, tensors: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+        """Record ``"norms"``, then the ``foreach`` norms."""
+        self.calls.append("norms")
+        return super().tensor_norms(tensors, norm_type)
+
+    def mul_(self, tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
+        """Record ``"mul"``, then the ``foreach`` multiply."""
+        self.calls.append("mul")
+        super().mul_(tensors, coef)

@@ -21,7 +21,11 @@ itself, with the ``LightningOptimizer`` wrappers ``self.optimizers()`` returns;
 the plugin keys everything by the optimizer a wrapper holds (the one
 ``opt.step()`` hands it), so the clip is the unscale (``unscale_and_clip_``) and
 the step does not unscale again. With several optimizers the scaler's update
-waits for the iteration to end: [Note: one update per iteration].
+waits for the iteration to end ([Note: one update per iteration], in
+shardscale.core): Lightning calls ``optimizer_step`` once per ``opt.step()``,
+and the iteration ends after a step when no optimizer of the Trainer is still
+due, else when ``training_step`` returns, when a new backward begins, or when
+an optimizer that already stepped is clipped or stepped again.
 """
 
 from __future__ import annotations
@@ -39,8 +43,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from shardscale.clip import clip_grad_norm_, unscale_and_clip_
-from shardscale.core import ShardedGradScaler, optimizer_params
-from shardscale.lightning._iteration import Iteration, step_and_flag
+from shardscale.core import Iteration, ShardedGradScaler, optimizer_params
 from shardscale.lightning._schedulers import hold_on_skipped_steps
 
 __all__ = ["ShardscalePrecision", "PrecisionName"]
@@ -59,6 +62,17 @@ _INPUT_DTYPE = {
 def _real(optimizer: Any) -> torch.optim.Optimizer:
     """The optimizer a ``LightningOptimizer`` (what ``self.optimizers()`` returns) wraps."""
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer  # type: ignore[no-any-return]
+
+
+def _combined_norm(norms: list[torch.Tensor]) -> torch.Tensor | None:
+    """The 2-norm over every optimizer clipped in one iteration (each clip's own norm)."""
+    if not norms:
+        return None
+    if len(norms) == 1:
+        return norms[0]
+    wide = torch.stack([n.to(torch.float64) for n in norms])
+    combined: torch.Tensor = torch.linalg.vector_norm(wide).to(norms[0].dtype)
+    return combined
 
 
 def _handles_unscaling(optimizer: object) -> bool:
@@ -143,8 +157,11 @@ class ShardscalePrecision(FSDPPrecision):
         self.log_prefix = log_prefix
         self.hold_schedulers = hold_schedulers
         # What happened since the last update (several optimizers: [Note: one update per
-        # iteration]); the last iteration's norm; each optimizer's last skip flag.
-        self._it = Iteration()
+        # iteration]; None without loss scaling), the optimizers clipped and their norms in this
+        # iteration; the last iteration's norm; each optimizer's last skip flag.
+        self._it = Iteration(self.scaler) if self.scaler is not None else None
+        self._clipped: set[int] = set()
+        self._norms: list[torch.Tensor] = []
         self._grad_norm: torch.Tensor | None = None
         self._skipped: dict[int, torch.Tensor] = {}
         self._model: pl.LightningModule | torch.nn.Module | None = None
@@ -193,9 +210,11 @@ class ShardscalePrecision(FSDPPrecision):
         automatic = not isinstance(model, pl.LightningModule) or model.automatic_optimization
         if automatic:
             # The closure runs forward and backward: a new iteration for this optimizer.
-            self._it.unscaled.discard(id(optimizer))
-            self._it.clipped.discard(id(optimizer))
-        if scaler is None or not scaler.is_enabled():
+            if self._it is not None:
+                self._it.unscaled.discard(id(optimizer))
+            self._clipped.discard(id(optimizer))
+        it = self._it
+        if scaler is None or it is None or not scaler.is_enabled():
             out = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # type: ignore[arg-type]
             self._end_iteration()
             return out
@@ -204,28 +223,25 @@ class ShardscalePrecision(FSDPPrecision):
                 "LBFGS re-evaluates its closure, which loss scaling cannot follow; use another "
                 "optimizer with precision='16-mixed', or precision='bf16-mixed'."
             )
-        if id(optimizer) in self._it.stepped:
+        if it.has_stepped(optimizer):
             self._end_iteration()  # stepped again: the previous iteration is over
         closure_result = closure()
         if closure_result is None and automatic:
             # training_step returned None: no backward ran, so there is nothing to unscale or step.
-            self._it.clipped.add(id(optimizer))  # the hooks' clip request has nothing to do
+            self._clipped.add(id(optimizer))  # the hooks' clip request has nothing to do
             self._after_closure(model, optimizer)  # type: ignore[arg-type]
-            self._it.clipped.discard(id(optimizer))
+            self._clipped.discard(id(optimizer))
             return closure_result
         clip_val = self._trainer_clip_value(model)
         if clip_val is not None:
-            self._it.norms.append(unscale_and_clip_(scaler, optimizer, max_norm=clip_val))
-            self._it.unscaled.add(id(optimizer))
-            self._it.clipped.add(id(optimizer))
-        elif id(optimizer) not in self._it.unscaled and not _handles_unscaling(optimizer):
-            scaler.unscale_(optimizer)  # the hooks see unscaled gradients, as in Lightning
-            self._it.unscaled.add(id(optimizer))
+            self._norms.append(unscale_and_clip_(scaler, optimizer, max_norm=clip_val))
+            it.mark_unscaled(optimizer)
+            self._clipped.add(id(optimizer))
+        elif not _handles_unscaling(optimizer):
+            it.unscale_(optimizer)  # the hooks see unscaled gradients, as in Lightning
         self._after_closure(model, optimizer)  # type: ignore[arg-type]
-        out, flag = step_and_flag(scaler, optimizer, **kwargs)
-        self._it.stepped[id(optimizer)] = flag
-        self._it.unscaled.discard(id(optimizer))
-        if not self._it.due(self._trainer_optimizers(model)):
+        out, _ = it.step(optimizer, **kwargs)
+        if not it.due(self._trainer_optimizers(model)):
             self._end_iteration()
         return out
 
@@ -234,23 +250,23 @@ class ShardscalePrecision(FSDPPrecision):
         """Lightning's context around ``training_step``; an iteration ends with the step at the latest."""
         with super().train_step_context():
             yield
-        if self._it.stepped:
+        if self._it is not None and self._it.stepped:
             self._end_iteration()
 
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
         """A backward after a step starts the next iteration: update first, then scale the loss."""
-        if self._it.stepped:
+        if self._it is not None and self._it.stepped:
             self._end_iteration()
         return super().pre_backward(tensor, module)  # type: ignore[no-any-return]
 
     def _end_iteration(self) -> None:
         """The scaler's one update for the optimizers stepped since the last, then the metrics."""
         scaler = self.scaler
-        stepped = dict(self._it.stepped)
-        self._grad_norm = self._it.norm()
-        self._it.clear()
+        stepped = self._it.end() if self._it is not None else {}
+        self._grad_norm = _combined_norm(self._norms)
+        self._norms.clear()
+        self._clipped.clear()
         if scaler is not None and scaler.is_enabled() and stepped:
-            scaler.update()
             skipped = scaler.last_step_skipped
             for key, flag in stepped.items():
                 found = flag if flag is not None else skipped
@@ -298,7 +314,7 @@ class ShardscalePrecision(FSDPPrecision):
         hands out (manual optimization): the optimizer it wraps is the one tracked.
         """
         optimizer = _real(optimizer)
-        if clip_val <= 0 or id(optimizer) in self._it.clipped:
+        if clip_val <= 0 or id(optimizer) in self._clipped:
             return  # already clipped with the Trainer's value in this step
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             self._ensure_unscaled(optimizer)
@@ -309,27 +325,32 @@ class ShardscalePrecision(FSDPPrecision):
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:  # type: ignore[override]
         """Clip ``optimizer``'s gradients by their true global norm (FSDP, FSDP2/TP, DDP)."""
         optimizer = _real(optimizer)
-        scaler = self.scaler
-        if id(optimizer) in self._it.stepped:
+        scaler, it = self.scaler, self._it
+        if it is not None and it.has_stepped(optimizer):
             self._end_iteration()  # clipping a stepped optimizer: its next iteration began
-        if scaler is not None and scaler.is_enabled() and id(optimizer) not in self._it.unscaled:
+        if (
+            scaler is not None
+            and it is not None
+            and scaler.is_enabled()
+            and id(optimizer) not in it.unscaled
+        ):
             norm = unscale_and_clip_(scaler, optimizer, max_norm=float(clip_val))
-            self._it.unscaled.add(id(optimizer))
+            it.mark_unscaled(optimizer)
         elif scaler is not None:
             # Already unscaled (or scaling off): clip with the scaler's whole configuration.
             norm = scaler.clip_grad_norm_(self._params_with_grad(optimizer), float(clip_val))
         else:
             norm = clip_grad_norm_(self._params_with_grad(optimizer), float(clip_val))
-        self._it.norms.append(norm)
-        self._it.clipped.add(id(optimizer))
+        self._norms.append(norm)
+        self._clipped.add(id(optimizer))
 
     def _ensure_unscaled(self, optimizer: torch.optim.Optimizer) -> None:
-        scaler = self.scaler
-        if id(optimizer) in self._it.stepped:
+        it = self._it
+        if it is None:
+            return  # no loss scaling: nothing to unscale
+        if it.has_stepped(optimizer):
             self._end_iteration()
-        if scaler is not None and scaler.is_enabled() and id(optimizer) not in self._it.unscaled:
-            scaler.unscale_(optimizer)
-            self._it.unscaled.add(id(optimizer))
+        it.unscale_(optimizer)
 
     @staticmethod
     def _params_with_grad(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -344,7 +365,7 @@ class ShardscalePrecision(FSDPPrecision):
         the scaler's update that ends the iteration.
         """
         optimizer = _real(optimizer)
-        flag = self._it.stepped.get(id(optimizer))
+        flag = self._it.stepped.get(id(optimizer)) if self._it is not None else None
         return flag if flag is not None else self._skipped.get(id(optimizer))
 
     @property
