@@ -17,6 +17,7 @@ from __future__ import annotations
 from shardscale.core._errors import (
     BackendUnavailableError,
     LayoutError,
+    ObserverSettingError,
     PluginConflictError,
     PluginNotFoundError,
     PluginWarning,
@@ -126,5 +127,6 @@ __all__ = [
     "BackendUnavailableError",
     "LayoutError",
     "ScalerStateError",
+    "ObserverSettingError",
     "PluginWarning",
 ]
