@@ -7,11 +7,13 @@ surviving ranks this way, and neither signal runs ``atexit``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,18 +37,25 @@ if mode == "yours":
 elif mode == "ignored":
     signal.signal(signum, signal.SIG_IGN)  # nohup's SIGHUP
 from shardscale import telemetry
-if mode == "default":
+if mode in ("default", "stuck"):
     os.environ[telemetry.ENV] = f"jsonl:{path},every={every}"  # as a launcher sets it
 else:
     telemetry.enable(telemetry.JsonlObserver(path), flush_every=every)
 from conftest import train
 train(steps, poison=frozenset({5}))
 print("IGNORED_KEPT" if signal.getsignal(signum) == signal.SIG_IGN else "READY", flush=True)
+if mode == "stuck":
+    # A survivor waiting for a dead peer: one C++ call that ignores signals until it times out.
+    from datetime import timedelta
+    import torch.distributed as dist
+    dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=300)).wait(["never"])
 sys.stdin.readline()
 print("ALIVE", flush=True)
 """
 
 _SIGNALS = [signal.SIGTERM, signal.SIGHUP]
+#: Seconds from each signal to the process's end, filled by the fixture.
+ELAPSED: dict[tuple[int, str], float] = {}
 # Each is a process that imports torch: the default action for both signals, and one each
 # for a handler of yours (chained) and an ignored SIGHUP (left alone).
 _CASES = [
@@ -54,6 +63,7 @@ _CASES = [
     (signal.SIGHUP, "default"),
     (signal.SIGTERM, "yours"),
     (signal.SIGHUP, "ignored"),
+    (signal.SIGTERM, "stuck"),
 ]
 
 
@@ -73,6 +83,7 @@ def ended(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], tup
             path,
         )  # fmt: skip
     out: dict[tuple[int, str], tuple[int, str, Path]] = {}
+    took: dict[tuple[int, str], float] = {}
     try:
         for key, (proc, path) in procs.items():
             assert proc.stdout is not None and proc.stdin is not None
@@ -82,14 +93,18 @@ def ended(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], tup
                 if line.startswith(("READY", "IGNORED_KEPT")):
                     break
             proc.send_signal(key[0])
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            rest, _ = proc.communicate(timeout=60)
+            sent = time.monotonic()
+            with contextlib.suppress(BrokenPipeError):  # it may have ended already
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            rest, _ = proc.communicate(timeout=120)
             out[key] = (proc.returncode, "".join(seen) + rest, path)
+            took[key] = time.monotonic() - sent
     finally:
         for proc, _ in procs.values():
             if proc.poll() is None:
                 proc.kill()
+    ELAPSED.update(took)
     return out
 
 
@@ -115,6 +130,20 @@ def test_your_handler_still_runs_after_the_rows_are_written(
     assert status == 3, (status, output)  # your handler decided how the process ends
     assert f"YOURS signal={int(sig)} rows={STEPS}" in output, output
     assert _steps(path) == list(range(1, STEPS + 1))
+
+
+def test_a_main_thread_stuck_in_c_still_ends_by_the_signal_with_every_row(
+    ended: dict[tuple[int, str], tuple[int, str, Path]],
+) -> None:
+    # Python would run the handler only when the C call returns (300 s here): the watchdog
+    # flushes and ends the process by SIGTERM itself, within its grace and flush limits.
+    from shardscale.telemetry._signals import FLUSH_LIMIT_S, GRACE_S
+
+    status, output, path = ended[(signal.SIGTERM, "stuck")]
+    assert status == -signal.SIGTERM, (status, output)
+    assert _steps(path) == list(range(1, STEPS + 1)), output
+    # Grace and flush limit, plus room for a loaded machine; far below the C call's 300 s.
+    assert ELAPSED[(signal.SIGTERM, "stuck")] < GRACE_S + FLUSH_LIMIT_S + 30
 
 
 def test_an_ignored_signal_stays_ignored(

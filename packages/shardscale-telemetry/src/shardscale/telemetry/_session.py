@@ -279,7 +279,7 @@ def add_session(session: Telemetry) -> None:
     """Feed ``session`` every step from now on (and flush it on SIGTERM/SIGHUP)."""
     with _state_lock:
         _sessions.append(session)
-    _signals.install(flush=flush, close=close_all)
+    _signals.install(flush=flush, close=close_all, flush_idle=_flush_idle)
 
 
 def _remove(session: Telemetry) -> None:
@@ -340,6 +340,17 @@ def flush() -> None:
     """Flush every open session now (one host read each)."""
     for session in sessions():
         session.flush()
+
+
+def _flush_idle() -> None:
+    # For a signal that arrived while the main thread is stuck (see _signals): flush only the
+    # sessions no thread is using, since one in use may be the stuck one.
+    for session in sessions():
+        if session._lock.acquire(blocking=False):
+            try:
+                session.flush()
+            finally:
+                session._lock.release()
 
 
 def close_all() -> None:
