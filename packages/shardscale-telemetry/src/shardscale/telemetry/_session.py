@@ -182,7 +182,7 @@ class Telemetry:
 
     def observe(self, record: StepRecord) -> None:
         """Keep ``record`` (no host read); flush when ``flush_every`` records are buffered."""
-        with self._lock, _signals.critical():
+        with self._lock, _signals.critical:
             if self._closed:
                 return
             if self._rank is None:
@@ -219,7 +219,7 @@ class Telemetry:
 
     def flush(self) -> list[StepRow]:
         """Read the buffered records (one host read) and write them; returns the rows."""
-        with self._lock, _signals.critical():
+        with self._lock, _signals.critical:
             if not self._records:
                 return []
             assert self._rank is not None
@@ -256,7 +256,7 @@ class Telemetry:
 
     def close(self) -> None:
         """Flush what is buffered, close every observer and stop observing (idempotent)."""
-        with self._lock, _signals.critical():
+        with self._lock, _signals.critical:
             if self._closed:
                 return
             try:
