@@ -12,7 +12,8 @@ distribution. What they do wrong is what the issue found in the wild:
   ``supports()`` raises; an adapter whose priority is ``"high"``; an adapter
   whose ``claims()`` raises during a step; an observer that raises;
 * a module that runs ``argparse`` at import (``SystemExit`` with the user's
-  own flags called "unrecognized"), and one that raises ``KeyboardInterrupt``;
+  own flags called "unrecognized"), one that raises ``KeyboardInterrupt``, and
+  one whose import never returns (``doctor`` and ``plugins`` must still finish);
 * a second backend named ``c10d``; two adapters (and two kernels) of equal
   priority; a distribution spelled ``RT_Evil.Plugin`` that must be blockable
   as ``rt-evil-plugin`` before it is imported; a backend that offers itself to
@@ -100,11 +101,11 @@ def _env(site: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def _run(
-    site: Path, argv: list[str], *, env: dict[str, str] | None = None
+    site: Path, argv: list[str], *, env: dict[str, str] | None = None, timeout: float = 240
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, *argv], env=_env(site, env), capture_output=True, text=True,
-        timeout=240, check=False,
+        timeout=timeout, check=False,
     )  # fmt: skip
 
 
@@ -448,6 +449,37 @@ def test_doctor_names_each_broken_plugin_and_exits_1(site: Path) -> None:
     assert next(f for f in findings if f["check"] == "kernels (cpu)")["detail"].startswith(
         "blas-dot"
     )
+
+
+@pytest.mark.parametrize("command", ["plugins", "doctor"])
+def test_a_plugin_whose_import_never_returns_is_a_failure_not_a_hang(
+    site: Path, command: str
+) -> None:
+    # bad_hang's import waits forever: the command gives it --plugin-timeout seconds, names
+    # it (and its distribution) as a failure, and finishes with everything else reported.
+    # Without the limit the command hangs: the subprocess timeout turns that into a failure.
+    limit = 2
+    argv = ["-m", "shardscale.cli", command, "--json", "--plugin-timeout", str(limit)]
+    proc = _run(site, argv, env={"SHARDSCALE_TEST_HANG": "1"}, timeout=150)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    data = json.loads(proc.stdout)  # what the plugin printed did not leak into the JSON
+    dist, version = META["bad_hang"]
+    if command == "plugins":
+        hung = _failure(data, "bad_hang")
+        assert (hung["distribution"], hung["version"], hung["stage"]) == (dist, version, "import")
+        assert f"did not return within {limit} s" in hung["error"]
+        assert "waiting for the license server" in hung["error"]
+        assert "SHARDSCALE_DISABLE_PLUGINS=bad_hang" in hung["fix"]
+        # The rest of the listing is all there.
+        assert {"local", "c10d", "plain"} <= {i["name"] for i in data["items"]}
+        return
+    errors = [f for f in data["findings"] if f["status"] == "error"]
+    hit = [f for f in errors if f"bad_hang ({dist} {version})" in f["detail"]]
+    assert hit and f"did not return within {limit} s" in hit[0]["detail"], errors
+    assert "SHARDSCALE_DISABLE_PLUGINS=bad_hang" in hit[0]["fix"]
+    step = next(f for f in data["findings"] if f["check"] == "scaler step")
+    assert step["status"] == "ok", step
 
 
 def _launch(port: int) -> dict[str, str]:

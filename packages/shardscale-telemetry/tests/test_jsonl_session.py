@@ -80,8 +80,13 @@ def test_flush_every_and_close(loop: Any, tmp_path: Path) -> None:
     assert len(_lines(path)) == 7
 
 
-def test_not_a_writing_rank_writes_nothing(loop: Any, tmp_path: Path) -> None:
-    with telemetry.enable(JsonlObserver(tmp_path / "s.jsonl"), ranks=[1, 2], flush_every=1):
+def test_not_a_writing_rank_writes_nothing(
+    loop: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 0 of a 2-process launch (no process group: the launcher's variables say so).
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with telemetry.enable(JsonlObserver(tmp_path / "s.jsonl"), ranks=1, flush_every=1):
         loop.train(3)
     assert not (tmp_path / "s.jsonl").exists()
 

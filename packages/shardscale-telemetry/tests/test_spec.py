@@ -60,8 +60,8 @@ def test_paths_keep_colons_and_equals() -> None:
         ("every=5", "options but no observer"),
         ("jsonl:a,jsonl:b", "jsonl is given twice"),
         ("jsonl:a,every=2,every=3", "every= is given twice"),
-        ("jsonl:steps.jsonl,ranks=all", "jsonl:steps.rank{rank}.jsonl"),
-        ("tensorboard:runs/tb,ranks=all", "tensorboard:runs/tb/rank{rank}"),
+        ("jsonl:steps.jsonl,ranks=all", "must contain {rank} (e.g. 'steps.rank{rank}.jsonl')"),
+        ("tensorboard:runs/tb,ranks=all", "must contain {rank} (e.g. 'runs/tb/rank{rank}')"),
     ],
 )
 def test_bad_values_name_the_problem_and_a_fix(text: str, needle: str) -> None:

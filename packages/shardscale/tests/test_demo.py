@@ -79,6 +79,24 @@ def test_demo_loss_falls_and_plot_exists(run_cli, tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_misspelt_telemetry_variable_does_not_stop_the_demo(run_cli, tmp_path: Path) -> None:
+    # The variable turns off its own session only: the demo's sessions (its progress rows and
+    # steps.jsonl) keep every step, and the rank's log names the variable and the fix.
+    out = tmp_path / "run"
+    proc = run_cli(["demo", "--world-size", "1", "--steps", "3", "--out", str(out),
+                    "--device", "cpu", *FAST],
+                   env={"SHARDSCALE_TELEMETRY": f"tensorbord:{tmp_path}/tb"}, timeout=200)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps = [json.loads(x)["step"] for x in (out / "steps.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    assert [h["step"] for h in _read(out / "metrics.json")["history"]] == [1, 2, 3]
+    log = (out / "logs" / "rank0.log").read_text()
+    assert "unknown observer 'tensorbord'" in log and "correct SHARDSCALE_TELEMETRY" in log
+    assert not (tmp_path / "tb").exists()
+
+
 def test_demo_without_rich_and_matplotlib_still_trains(run_cli, tmp_path: Path) -> None:
     out = tmp_path / "plain"
     hide = "import sys\nsys.modules['rich'] = None\nsys.modules['matplotlib'] = None"

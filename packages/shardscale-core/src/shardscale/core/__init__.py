@@ -30,6 +30,7 @@ from shardscale.core._ema import update_averaged_model
 from shardscale.core._errors import (
     BackendUnavailableError,
     LayoutError,
+    ObserverSettingError,
     PluginConflictError,
     PluginNotFoundError,
     PluginWarning,
@@ -178,5 +179,6 @@ __all__ = [
     "LayoutError",
     "AliasedGradientError",
     "ScalerStateError",
+    "ObserverSettingError",
     "PluginWarning",
 ]

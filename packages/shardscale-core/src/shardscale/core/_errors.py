@@ -12,6 +12,7 @@ __all__ = [
     "PluginConflictError",
     "BackendUnavailableError",
     "LayoutError",
+    "ObserverSettingError",
     "PluginWarning",
 ]
 
@@ -37,6 +38,18 @@ class BackendUnavailableError(ShardscaleError):
 
 class LayoutError(ShardscaleError, ValueError):
     """Gradients are laid out in a way no adapter can combine into one global value."""
+
+
+class ObserverSettingError(ShardscaleError):
+    """A step observer's own setting is wrong (not the observer): raise it from ``shardscale_on_step``.
+
+    The registry records it as the plugin's failure and warns once, like any
+    observer that raises, but keeps calling the observer: the bad setting
+    switches off only what it configures (shardscale-telemetry raises it for a
+    bad ``SHARDSCALE_TELEMETRY`` and keeps feeding the sessions started in
+    code). An observer raises it once, not at every step. A ``fix`` string
+    attribute, if present, is shown as the fix.
+    """
 
 
 class PluginWarning(UserWarning):

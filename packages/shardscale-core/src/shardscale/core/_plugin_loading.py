@@ -15,6 +15,19 @@ plugins import is the user asking the program to stop, and a plugin cannot be
 told apart from the user. Loading then leaves nothing behind (the registry is
 only marked loaded when loading finished), so a later lookup starts over.
 
+[Note: a time limit on import]
+A plugin whose import never returns (it waits for a lock, the network or
+input) would hang whoever loads plugins. ``shardscale doctor`` and
+``shardscale plugins`` must finish, so they load with ``import_timeout``: each
+entry point is then imported in a daemon thread that the loader waits for at
+most that long. One that does not return in time becomes a ``LoadFailure``
+naming it and its distribution; its thread is left running (Python cannot stop
+a thread) and ends with the process, and loading goes on with the next plugin.
+A program's own loading keeps importing in the calling thread, with no limit:
+an import in another thread cannot install signal handlers, and a module left
+half-imported there would block the program the first time it imports that
+module itself, so the limit is only for commands that report and exit.
+
 [Note: SHARDSCALE_DISABLE_PLUGINS]
 A comma-separated list of entry-point names and distribution names. Both sides
 are compared in their PEP 503 normalised form (lower case, runs of ``-``, ``_``
@@ -34,6 +47,7 @@ import io
 import os
 import re
 import sys
+import threading
 from dataclasses import dataclass, field
 
 import pluggy
@@ -169,7 +183,41 @@ def _last_line(text: str) -> str:
     return lines[-1][:200] if lines else ""
 
 
-def _import(ep: md.EntryPoint) -> tuple[object | None, str]:
+class _ImportTimeout(Exception):
+    """An entry point's import did not return within the time limit."""
+
+
+def _load(ep: md.EntryPoint, timeout: float | None) -> object:
+    """``ep.load()``, in a daemon thread waited for ``timeout`` seconds when one is given.
+
+    See [Note: a time limit on import]; whatever the import raises is raised here.
+    """
+    if timeout is None:
+        return ep.load()
+    outcome: list[tuple[bool, object]] = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, ep.load()))
+        except BaseException as exc:  # handed to the loading thread, KeyboardInterrupt too
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=target, name=f"shardscale-import-{ep.name}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not outcome:
+        raise _ImportTimeout(
+            f"importing {ep.value} did not return within {timeout:g} s (it may wait for a "
+            "lock, the network or input); it was left running and nothing it provides is here"
+        )
+    ok, value = outcome[0]
+    if not ok:
+        assert isinstance(value, BaseException)
+        raise value
+    return value
+
+
+def _import(ep: md.EntryPoint, timeout: float | None = None) -> tuple[object | None, str]:
     """Import one entry point; return (plugin, "") or (None, a one-line error)."""
     out, err = io.StringIO(), io.StringIO()
 
@@ -179,10 +227,16 @@ def _import(ep: md.EntryPoint) -> tuple[object | None, str]:
 
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            plugin = ep.load()
+            plugin = _load(ep, timeout)
     except KeyboardInterrupt:  # the user's Ctrl-C: see [Note: isolation at load]
         replay()
         raise
+    except _ImportTimeout as exc:
+        error = str(exc)
+        printed = _last_line(err.getvalue()) or _last_line(out.getvalue())
+        if printed:
+            error += f"; it printed {printed!r}"
+        return None, error
     except BaseException as exc:  # SystemExit included: see [Note: isolation at load]
         error = describe_exception(exc)
         printed = _last_line(err.getvalue()) or _last_line(out.getvalue())
@@ -215,12 +269,17 @@ def _register(
     result.origins[name] = (dist, version)
 
 
-def load_plugins(pm: pluggy.PluginManager, *, entry_points: bool) -> LoadResult:
+def load_plugins(
+    pm: pluggy.PluginManager, *, entry_points: bool, import_timeout: float | None = None
+) -> LoadResult:
     """Register every installed plugin that is neither blocked nor broken into ``pm``.
 
     With ``entry_points=False`` only shardscale-core's built-in plugin is
-    registered (unless blocked).
+    registered (unless blocked). ``import_timeout``: seconds each entry point's
+    import may take (see [Note: a time limit on import]); ``None``: no limit.
     """
+    if import_timeout is not None and not import_timeout > 0:
+        raise ValueError(f"import_timeout must be a number of seconds > 0, got {import_timeout!r}")
     tokens = disable_tokens()
     result = LoadResult()
     used: set[str] = set()
@@ -254,7 +313,7 @@ def load_plugins(pm: pluggy.PluginManager, *, entry_points: bool) -> LoadResult:
             continue
         chosen += _settle_shared_name(name, candidates, result)
     for ep, dist, version in chosen:
-        plugin, error = _import(ep)
+        plugin, error = _import(ep, import_timeout)
         if plugin is None:
             result.failures.append(
                 LoadFailure(ep.name, dist, version, error, fix=failure_fix(ep.name, dist))

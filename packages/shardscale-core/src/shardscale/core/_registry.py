@@ -19,7 +19,11 @@ with a non-int priority or missing methods; an adapter's ``claims()`` or a
 kernels' ``supports()`` that raises during a step; an observer that raises. The
 last three are *set aside*: recorded once, warned about once
 (:class:`PluginWarning`), and not consulted again in this process, so a plugin
-that breaks at step 1000 behaves from then on as if it were not installed.
+that breaks at step 1000 behaves from then on as if it were not installed. An
+observer that raises :class:`ObserverSettingError` (a bad setting of its own,
+such as shardscale-telemetry's environment variable) is recorded and warned
+about the same way but still called: the setting switches off only what it
+configures.
 In-process registration is stricter: :meth:`Registry.register` calls the new
 plugin's hooks at once and refuses it, changing nothing, if any fails.
 
@@ -55,6 +59,7 @@ import pluggy
 from shardscale.core import _hookspecs
 from shardscale.core._errors import (
     BackendUnavailableError,
+    ObserverSettingError,
     PluginConflictError,
     PluginNotFoundError,
     PluginWarning,
@@ -176,6 +181,8 @@ class Registry:
         self._unmatched: tuple[str, ...] = ()
         # Items and observers set aside during steps: (plugin, kind, name) -> their failure.
         self._set_aside: dict[tuple[str, str, str], LoadFailure] = {}
+        # Observers that reported a bad setting of their own: recorded, still called.
+        self._reported: dict[tuple[str, str, str], LoadFailure] = {}
         self._catalog: _Catalog | None = None
 
     @staticmethod
@@ -186,18 +193,25 @@ class Registry:
 
     # -- loading -------------------------------------------------------------------------------
 
-    def load(self) -> None:
+    def load(self, *, import_timeout: float | None = None) -> None:
         """Load installed plugins (once). Lookups call this for you.
 
         Loading builds a new plugin manager and swaps it in only when every
         plugin has been tried, so the registry is never seen half-loaded; a
         ``KeyboardInterrupt`` during loading leaves it unloaded.
+        ``import_timeout`` (seconds) gives each plugin's import a time limit,
+        for commands that must finish (``shardscale doctor``/``plugins``): one
+        that does not return in time is a failure naming it (see
+        [Note: a time limit on import] in ``_plugin_loading``). It has no
+        effect once the registry is loaded.
         """
         with self._lock:
             if self._loaded:
                 return
             pm = self._new_manager()
-            result = load_plugins(pm, entry_points=self._load_entry_points)
+            result = load_plugins(
+                pm, entry_points=self._load_entry_points, import_timeout=import_timeout
+            )
             self._pm, self._origins = pm, result.origins
             self._failures, self._unmatched = result.failures, result.unmatched
             self._catalog = None
@@ -261,8 +275,9 @@ class Registry:
                 raise PluginNotFoundError(f"no registered plugin {plugin_or_name!r} to unregister")
             self._pm.unregister(plugin, name=name)
             self._origins.pop(name, None)
-            for key in [k for k in self._set_aside if k[0] == name]:
-                del self._set_aside[key]
+            for failed in (self._set_aside, self._reported):
+                for key in [k for k in failed if k[0] == name]:
+                    del failed[key]
             self._catalog = None
 
     # -- catalog -------------------------------------------------------------------------------
@@ -324,23 +339,36 @@ class Registry:
         dist, version = self._origin(it.plugin)
         return f"{it.kind} {it.name!r} from {dist} {version}".rstrip() + f" (plugin {it.plugin!r})"
 
-    def _set_item_aside(self, it: _Item, stage: str, exc: BaseException) -> None:
-        """Record that ``it`` failed during a step and stop consulting it (see the Note above)."""
+    def _set_item_aside(
+        self, it: _Item, stage: str, exc: BaseException, *, keep: bool = False
+    ) -> None:
+        """Record that ``it`` failed during a step and stop consulting it (see the Note above).
+
+        With ``keep`` (an observer's :class:`ObserverSettingError`) it is
+        recorded and warned about once, but still consulted.
+        """
         dist, version = self._origin(it.plugin)
+        consequence = (
+            "it is still called (a setting of its own is wrong, not the plugin)"
+            if keep
+            else "it is no longer consulted in this process"
+        )
         failure = LoadFailure(
             it.plugin,
             dist,
             version,
-            f"{it.kind} {it.name!r}: {stage}() raised {describe_exception(exc)}; it is no "
-            "longer consulted in this process",
+            f"{it.kind} {it.name!r}: {stage}() raised {describe_exception(exc)}; {consequence}",
             fix=_own_fix(exc) or failure_fix(it.plugin, dist),
             stage=stage,
         )
         with self._lock:
-            if it.key in self._set_aside:
+            if it.key in self._set_aside or it.key in self._reported:
                 return
-            self._set_aside[it.key] = failure
-            self._catalog = None
+            if keep:
+                self._reported[it.key] = failure
+            else:
+                self._set_aside[it.key] = failure
+                self._catalog = None
         _warn(failure)
 
     def _matches(self, kind: str, name: str) -> list[_Item]:
@@ -681,8 +709,10 @@ class Registry:
     def notify_step(self, record: StepRecord) -> None:
         """Call every ``shardscale_on_step`` observer with ``record``, each on its own.
 
-        An observer that raises is recorded, warned about and not called again;
-        the step it observed is already complete and is not affected.
+        An observer that raises is recorded, warned about and not called again
+        (one that raises :class:`ObserverSettingError` is recorded and warned
+        about, and still called); the step it observed is already complete and
+        is not affected.
         """
         for impl in self._observer_impls():
             try:
@@ -691,7 +721,8 @@ class Registry:
                 raise
             except BaseException as exc:  # see [Note: one bad plugin cannot break the house]
                 item = _Item("shardscale_on_step", "observer", impl.function, impl.plugin_name)
-                self._set_item_aside(item, "observer", exc)
+                keep = isinstance(exc, ObserverSettingError)
+                self._set_item_aside(item, "observer", exc, keep=keep)
 
     # -- listing -------------------------------------------------------------------------------
 
@@ -734,7 +765,12 @@ class Registry:
         """Plugins (or their hooks or items) that failed, were set aside, or were blocked."""
         catalog = self._collect()
         with self._lock:
-            return [*self._failures, *catalog.failures, *self._set_aside.values()]
+            return [
+                *self._failures,
+                *catalog.failures,
+                *self._set_aside.values(),
+                *self._reported.values(),
+            ]
 
     def unmatched_disable_names(self) -> list[str]:
         """Names in ``$SHARDSCALE_DISABLE_PLUGINS`` that matched no installed plugin."""

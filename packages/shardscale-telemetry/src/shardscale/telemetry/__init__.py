@@ -21,14 +21,16 @@ which ranks overflowed), on rank 0 unless ``ranks`` says otherwise.
 
 from __future__ import annotations
 
+from shardscale.telemetry._enable import enable
+from shardscale.telemetry._errors import TelemetryConfigError
 from shardscale.telemetry._jsonl import JsonlObserver
+from shardscale.telemetry._kinds import OBSERVER_KINDS, ObserverKind, observer_kinds
 from shardscale.telemetry._observer import Observer
 from shardscale.telemetry._rows import StepRow, read_rows
 from shardscale.telemetry._session import (
     Telemetry,
     close_all,
     disable,
-    enable,
     flush,
     observers_from_spec,
     reset,
@@ -37,11 +39,8 @@ from shardscale.telemetry._session import (
 from shardscale.telemetry._spec import (
     DEFAULT_FLUSH_EVERY,
     ENV,
-    OBSERVER_KINDS,
     SinkSpec,
-    TelemetryConfigError,
     TelemetrySpec,
-    observer_kinds,
     parse_spec,
     spec_from_env,
 )
@@ -76,6 +75,7 @@ __all__ = [
     "ENV",
     "DEFAULT_FLUSH_EVERY",
     "OBSERVER_KINDS",
+    "ObserverKind",
     "observer_kinds",
     "parse_spec",
     "spec_from_env",

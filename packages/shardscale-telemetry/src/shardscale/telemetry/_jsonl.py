@@ -36,6 +36,11 @@ class JsonlObserver:
     def __repr__(self) -> str:
         return f"JsonlObserver({self._template!r})"
 
+    @property
+    def path_template(self) -> str:
+        """The path as given, ``{rank}`` not yet replaced."""
+        return self._template
+
     def open(self, rank: int) -> None:
         """Create the file for ``rank`` (and its folders)."""
         path = rank_path(self._template, rank)

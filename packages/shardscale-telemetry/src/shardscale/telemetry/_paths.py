@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shardscale.telemetry._spec import TelemetryConfigError
+from shardscale.telemetry._errors import TelemetryConfigError
 
 __all__ = ["check_path_template", "rank_path"]
 

@@ -6,14 +6,19 @@ but the plugin writes nothing until a session exists: one made in code with
 :func:`enable`, or one made from ``SHARDSCALE_TELEMETRY`` (read once, on the
 first step a scaler reports). Sessions are independent (each has its
 observers, its flush interval and its ranks), so a program that enables one in
-code still gets the one its launcher asked for in the environment.
+code still gets the one its launcher asked for in the environment, and a bad
+variable turns off only the environment's session: the error is raised once,
+after the step has reached the other sessions, as an
+:class:`~shardscale.core.ObserverSettingError`, which the registry records as
+the plugin's failure while still calling it.
 
 [Note: what a step costs]
 Per step a session on a writing rank appends the record (device tensors) and
 the wall-clock time to a list; on other ranks it does nothing. Every
-``flush_every`` steps, on :meth:`Telemetry.flush`, :meth:`Telemetry.close` and
-at interpreter exit, the buffer is read with one host read per device (see
-[Note: one host read per flush]) and the rows go to every observer.
+``flush_every`` steps, on :meth:`Telemetry.flush`, :meth:`Telemetry.close`, at
+interpreter exit and on SIGTERM/SIGHUP (see [Note: flushing on SIGTERM and
+SIGHUP] in ``_signals``), the buffer is read with one host read per device
+(see [Note: one host read per flush]) and the rows go to every observer.
 """
 
 from __future__ import annotations
@@ -27,22 +32,19 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Literal
 
-from shardscale.telemetry._jsonl import JsonlObserver
+from shardscale.telemetry import _signals
+from shardscale.telemetry._errors import TelemetryConfigError
+from shardscale.telemetry._kinds import OBSERVER_KINDS, kind_of, per_rank_problem
 from shardscale.telemetry._observer import Observer
 from shardscale.telemetry._rows import StepRow, read_rows
-from shardscale.telemetry._spec import (
-    DEFAULT_FLUSH_EVERY,
-    TelemetryConfigError,
-    TelemetrySpec,
-    spec_from_env,
-)
+from shardscale.telemetry._spec import DEFAULT_FLUSH_EVERY, ENV, TelemetrySpec, spec_from_env
 
 if TYPE_CHECKING:
     from shardscale.core import StepRecord
 
 __all__ = [
     "Telemetry",
-    "enable",
+    "Ranks",
     "disable",
     "flush",
     "close_all",
@@ -55,14 +57,26 @@ __all__ = [
 Ranks = Literal["all"] | int | Iterable[int]
 
 
+def _launch_value(name: str, default: int) -> int:
+    # Not initialised (yet, or never): the launcher's variables, as torchrun sets them.
+    raw = os.environ.get(name, "")
+    return int(raw) if raw.isdigit() else default
+
+
 def _global_rank() -> int:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    # Not initialised (yet, or never): the launcher's variable, as torchrun sets it.
-    raw = os.environ.get("RANK", "0")
-    return int(raw) if raw.isdigit() else 0
+    return _launch_value("RANK", 0)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return max(1, _launch_value("WORLD_SIZE", 1))
 
 
 def _check_ranks(ranks: Ranks) -> Literal["all"] | frozenset[int]:
@@ -79,6 +93,24 @@ def _check_ranks(ranks: Ranks) -> Literal["all"] | frozenset[int]:
             f"ranks must name global ranks >= 0 (or be 'all'), got {ranks!r}; e.g. ranks=0"
         )
     return chosen
+
+
+def _ranks_text(ranks: Literal["all"] | frozenset[int]) -> str:
+    return "all" if ranks == "all" else str(sorted(ranks))
+
+
+def _check_per_rank(observers: Sequence[Observer], ranks: Literal["all"] | frozenset[int]) -> None:
+    # Several writing ranks must not share a file: the variable's rule and text, see
+    # [Note: one writer per file] in _kinds.
+    if ranks != "all" and len(ranks) < 2:
+        return
+    for obs in observers:
+        kind = kind_of(obs)
+        if kind is None or not kind.per_rank:
+            continue
+        problem = per_rank_problem(kind, str(getattr(obs, "path_template", "")), _ranks_text(ranks))
+        if problem is not None:
+            raise TelemetryConfigError(f"a telemetry session with {obs!r}: {problem}")
 
 
 class Telemetry:
@@ -113,8 +145,9 @@ class Telemetry:
                     f"{obs!r} is not an observer: it needs open(rank), write(rows) and close() "
                     "(see shardscale.telemetry.Observer)"
                 )
-        self._observers: list[Observer] = observers
         self._ranks = _check_ranks(ranks)
+        _check_per_rank(observers, self._ranks)
+        self._observers: list[Observer] = observers
         self.flush_every = flush_every
         self._lock = threading.RLock()
         self._records: list[StepRecord] = []
@@ -149,13 +182,14 @@ class Telemetry:
 
     def observe(self, record: StepRecord) -> None:
         """Keep ``record`` (no host read); flush when ``flush_every`` records are buffered."""
-        with self._lock:
+        with self._lock, _signals.critical:
             if self._closed:
                 return
             if self._rank is None:
                 # Resolved at the first step, when the process group exists.
                 self._rank = _global_rank()
                 self._writes = self._ranks == "all" or self._rank in self._ranks
+                self._warn_missing_ranks()
             if not self._writes:
                 return
             self._records.append(record)
@@ -163,9 +197,29 @@ class Telemetry:
             if len(self._records) >= self.flush_every:
                 self.flush()
 
+    def _warn_missing_ranks(self) -> None:
+        # A rank number beyond the world writes nothing: say so once, on global rank 0.
+        if self._ranks == "all" or self._rank != 0:
+            return
+        world = _world_size()
+        missing = sorted(r for r in self._ranks if r >= world)
+        if not missing:
+            return
+        named = ", ".join(map(str, missing))
+        outcome = (
+            "nothing is written" if len(missing) == len(self._ranks) else "those write nothing"
+        )
+        warnings.warn(
+            f"shardscale.telemetry: {self!r} selects rank {named}, but this run has world size "
+            f"{world} (global ranks 0 to {world - 1}), so {outcome}; pass ranks=0 (a rank "
+            f"below {world}) or ranks='all' (in {ENV}: ranks=0 or ranks=all)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
     def flush(self) -> list[StepRow]:
         """Read the buffered records (one host read) and write them; returns the rows."""
-        with self._lock:
+        with self._lock, _signals.critical:
             if not self._records:
                 return []
             assert self._rank is not None
@@ -202,7 +256,7 @@ class Telemetry:
 
     def close(self) -> None:
         """Flush what is buffered, close every observer and stop observing (idempotent)."""
-        with self._lock:
+        with self._lock, _signals.critical:
             if self._closed:
                 return
             try:
@@ -211,9 +265,7 @@ class Telemetry:
                 self._closed = True
                 for obs in list(self._observers):
                     self._guard(obs, "close", obs.close)
-                with _state_lock:
-                    if self in _sessions:
-                        _sessions.remove(self)
+                _remove(self)
 
 
 _state_lock = threading.RLock()
@@ -223,93 +275,59 @@ _ENV_UNREAD = object()
 _env_session: object = _ENV_UNREAD
 
 
-def observers_from_spec(spec: TelemetrySpec) -> list[Observer]:
-    """The observers a parsed ``SHARDSCALE_TELEMETRY`` names (builds nothing on disk)."""
-    out: list[Observer] = []
-    for sink in spec.sinks:
-        if sink.kind == "jsonl":
-            assert sink.target is not None
-            out.append(JsonlObserver(sink.target))
-        elif sink.kind == "tensorboard":
-            from shardscale.telemetry._tensorboard import TensorBoardObserver
-
-            assert sink.target is not None
-            out.append(TensorBoardObserver(sink.target))
-        elif sink.kind == "wandb":
-            from shardscale.telemetry._wandb import WandbObserver
-
-            out.append(WandbObserver(sink.target))
-        else:  # pragma: no cover - parse_spec admits only the kinds above
-            raise TelemetryConfigError(f"unknown observer {sink.kind!r}")
-    return out
-
-
-def _ensure_plugin() -> None:
-    # A session is fed by the plugin's hook: if the entry point was blocked, say so.
-    from shardscale.core import get_registry
-
-    reg = get_registry()
-    if any(p.name == "telemetry" for p in reg.plugins()):
-        return
-    blocked = [f for f in reg.failures() if f.distribution == "shardscale-telemetry"]
-    if blocked:
-        warnings.warn(
-            f"shardscale.telemetry.enable(): the telemetry plugin did not load "
-            f"({blocked[0].error}), so no scaler step reaches this session",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return
-    # Not installed as a distribution (a source checkout): register the same module in-process.
-    from shardscale.telemetry import _plugin
-
-    reg.register(_plugin, name="telemetry")
-
-
-def enable(
-    *observers: Observer,
-    flush_every: int = DEFAULT_FLUSH_EVERY,
-    ranks: Ranks = 0,
-) -> Telemetry:
-    """Start a telemetry session: every scaler step from now on goes to ``observers``.
-
-    ``flush_every`` steps are buffered between host reads; ``ranks`` chooses
-    the writing global ranks (``0`` by default, ``"all"``, or a collection).
-    Returns the session; ``session.close()`` (or :func:`disable`, or the end
-    of the process) writes what is left. Example::
-
-        from shardscale import telemetry
-        telemetry.enable(telemetry.JsonlObserver("runs/steps.jsonl"),
-                         telemetry.TensorBoardObserver("runs/tb"), flush_every=50)
-    """
-    session = Telemetry(observers, flush_every=flush_every, ranks=ranks)
-    _ensure_plugin()
+def add_session(session: Telemetry) -> None:
+    """Feed ``session`` every step from now on (and flush it on SIGTERM/SIGHUP)."""
     with _state_lock:
         _sessions.append(session)
-    return session
+    _signals.install(flush=flush, close=close_all, flush_idle=_flush_idle)
 
 
-def _env_session_once() -> None:
+def _remove(session: Telemetry) -> None:
+    with _state_lock:
+        if session in _sessions:
+            _sessions.remove(session)
+        last = not _sessions
+    if last:
+        _signals.uninstall()
+
+
+def observers_from_spec(spec: TelemetrySpec) -> list[Observer]:
+    """The observers a parsed ``SHARDSCALE_TELEMETRY`` names (builds nothing on disk)."""
+    return [OBSERVER_KINDS[sink.kind].build(sink.target) for sink in spec.sinks]
+
+
+def _env_session_once() -> TelemetryConfigError | None:
+    """Read the variable on the first step; its error is returned that once (then it is off)."""
     global _env_session
     with _state_lock:
         if _env_session is not _ENV_UNREAD:
-            return
-        spec = spec_from_env()  # raises on a bad value, on every step, until it is fixed
-        if spec is None:
-            _env_session = None
-            return
-        session = Telemetry(
-            observers_from_spec(spec), flush_every=spec.flush_every, ranks=spec.ranks
-        )
-        _sessions.append(session)
-        _env_session = session
+            return None
+        _env_session = None
+        try:
+            spec = spec_from_env()
+            if spec is None:
+                return None
+            session = Telemetry(
+                observers_from_spec(spec), flush_every=spec.flush_every, ranks=spec.ranks
+            )
+        except TelemetryConfigError as exc:
+            return exc
+    add_session(session)
+    _env_session = session
+    return None
 
 
 def dispatch(record: StepRecord) -> None:
-    """Hand one step record to every session (the plugin's ``shardscale_on_step``)."""
-    _env_session_once()
+    """Hand one step record to every session (the plugin's ``shardscale_on_step``).
+
+    A bad ``SHARDSCALE_TELEMETRY`` is raised once, after the record reached
+    every session (see [Note: opt-in]).
+    """
+    problem = _env_session_once()
     for session in list(_sessions):
         session.observe(record)
+    if problem is not None:
+        raise problem
 
 
 def sessions() -> tuple[Telemetry, ...]:
@@ -322,6 +340,17 @@ def flush() -> None:
     """Flush every open session now (one host read each)."""
     for session in sessions():
         session.flush()
+
+
+def _flush_idle() -> None:
+    # For a signal that arrived while the main thread is stuck (see _signals): flush only the
+    # sessions no thread is using, since one in use may be the stuck one.
+    for session in sessions():
+        if session._lock.acquire(blocking=False):
+            try:
+                session.flush()
+            finally:
+                session._lock.release()
 
 
 def close_all() -> None:

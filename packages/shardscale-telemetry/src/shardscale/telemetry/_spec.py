@@ -6,12 +6,14 @@ A comma-separated list of entries, each either an *observer* or an *option*::
     SHARDSCALE_TELEMETRY=jsonl:runs/steps.jsonl,tensorboard:runs/tb,every=50
     SHARDSCALE_TELEMETRY=wandb:my-project,ranks=all
 
-Observers are ``jsonl:PATH`` (a file), ``tensorboard:DIR`` (a folder of event
-files) and ``wandb`` or ``wandb:PROJECT``. Options are ``every=N`` (read the
+Observers are the kinds of ``_kinds.OBSERVER_KINDS``: ``jsonl:PATH`` (a file),
+``tensorboard:DIR`` (a folder of event files) and ``wandb`` or
+``wandb:PROJECT``. Options are ``every=N`` (read the
 device and write every N steps; default 100; the end of the process always
 writes what is left) and ``ranks=all`` or ``ranks=N`` (which global rank
 writes; default 0). With ``ranks=all`` every file or folder must contain
-``{rank}``, replaced by the writing rank, so ranks never share a file. Paths
+``{rank}``, replaced by the writing rank, so ranks never share a file (see
+[Note: one writer per file] in ``_kinds``). Paths
 may not contain commas. Empty or ``off`` means off. Anything else is an error
 that names the entry and shows a valid spelling, raised on the first scaler
 ``update()`` on every rank alike (the variable is the same on every rank).
@@ -24,36 +26,24 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from shardscale.telemetry._errors import TelemetryConfigError
+from shardscale.telemetry._kinds import OBSERVER_KINDS, per_rank_problem
+
 __all__ = [
     "ENV",
     "DEFAULT_FLUSH_EVERY",
-    "OBSERVER_KINDS",
-    "TelemetryConfigError",
     "SinkSpec",
     "TelemetrySpec",
     "parse_spec",
     "spec_from_env",
-    "observer_kinds",
 ]
 
 ENV = "SHARDSCALE_TELEMETRY"
 DEFAULT_FLUSH_EVERY = 100
-#: Observer names the variable accepts, and whether each needs a target after ``:``.
-OBSERVER_KINDS: dict[str, bool] = {"jsonl": True, "tensorboard": True, "wandb": False}
 _OPTIONS = ("every", "ranks")
 _EXAMPLE = f"{ENV}=jsonl:runs/steps.jsonl,tensorboard:runs/tb,every=50"
 _OPTION_RE = re.compile(r"^([A-Za-z_]+)=(.*)$")
 _SINK_RE = re.compile(r"^([A-Za-z_]+)(?::(.*))?$", re.DOTALL)
-
-
-class TelemetryConfigError(ValueError):
-    """A telemetry setting (the environment variable or an ``enable`` argument) is invalid."""
-
-    #: Shown by ``shardscale plugins``/``doctor`` when the registry sets the observer aside.
-    fix = (
-        "correct SHARDSCALE_TELEMETRY as the message shows (or unset it to turn telemetry off); "
-        "`shardscale doctor` checks it"
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,63 +110,38 @@ def parse_spec(text: str) -> TelemetrySpec | None:
             options[key] = value
             continue
         sink = _SINK_RE.match(entry)
-        kind = sink.group(1) if sink is not None else entry
-        if sink is None or kind not in OBSERVER_KINDS:
+        name = sink.group(1) if sink is not None else entry
+        kind = OBSERVER_KINDS.get(name)
+        if sink is None or kind is None:
             raise _fail(
                 text,
-                f"unknown observer {kind!r} in {entry!r}: observers are "
-                f"{', '.join(OBSERVER_KINDS)} (written jsonl:PATH, tensorboard:DIR, "
-                "wandb or wandb:PROJECT) and options are every=N, ranks=all|N",
+                f"unknown observer {name!r} in {entry!r}: observers are "
+                f"{', '.join(OBSERVER_KINDS)} (written "
+                f"{', '.join(k.spelling for k in OBSERVER_KINDS.values())}) "
+                "and options are every=N, ranks=all|N",
             )
         target = sink.group(2)
         if target is not None:
             target = target.strip() or None
-        if OBSERVER_KINDS[kind] and target is None:
-            what = "a file path" if kind == "jsonl" else "a folder"
-            raise _fail(
-                text,
-                f"{kind} needs {what}: write {kind}:{'runs/steps.jsonl' if kind == 'jsonl' else 'runs/tb'}",
-            )
-        if any(s.kind == kind for s in sinks):
-            raise _fail(text, f"the observer {kind} is given twice; give each observer once")
-        sinks.append(SinkSpec(kind, target))
+        if kind.required and target is None:
+            raise _fail(text, f"{name} needs a {kind.target} path: write {name}:{kind.example}")
+        if any(s.kind == name for s in sinks):
+            raise _fail(text, f"the observer {name} is given twice; give each observer once")
+        sinks.append(SinkSpec(name, target))
     if not sinks:
         raise _fail(text, "options but no observer; add e.g. jsonl:runs/steps.jsonl")
     ranks = options.get("ranks", 0)
     if ranks == "all":
-        # Every rank writes: a path shared by every rank would interleave their lines.
         for s in sinks:
-            if OBSERVER_KINDS[s.kind] and "{rank}" not in (s.target or ""):
-                raise _fail(
-                    text,
-                    f"with ranks=all every rank writes, so {s.kind}:{s.target} must contain "
-                    f"{{rank}} (e.g. {s.kind}:{_ranked(s.target or '')})",
-                )
+            problem = per_rank_problem(OBSERVER_KINDS[s.kind], s.target or "", "all")
+            if problem is not None:
+                raise _fail(text, problem)
     flush_every = options.get("every", DEFAULT_FLUSH_EVERY)
     assert isinstance(flush_every, int)
     chosen: Literal["all"] | int = "all" if ranks == "all" else int(ranks)
     return TelemetrySpec(tuple(sinks), flush_every=flush_every, ranks=chosen)
 
 
-def _ranked(target: str) -> str:
-    head, dot, ext = target.rpartition(".")
-    if dot and "/" not in ext and head:
-        return f"{head}.rank{{rank}}.{ext}"
-    return f"{target.rstrip('/')}/rank{{rank}}"
-
-
 def spec_from_env() -> TelemetrySpec | None:
     """Parse ``SHARDSCALE_TELEMETRY`` from the environment (``None``: unset or off)."""
     return parse_spec(os.environ.get(ENV, ""))
-
-
-def observer_kinds() -> dict[str, str | None]:
-    """Each observer the variable can name, and why it cannot run here (``None``: it can)."""
-    from shardscale.telemetry._tensorboard import tensorboard_unavailable_reason
-    from shardscale.telemetry._wandb import wandb_unavailable_reason
-
-    return {
-        "jsonl": None,
-        "tensorboard": tensorboard_unavailable_reason(),
-        "wandb": wandb_unavailable_reason(),
-    }

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardscale.telemetry._errors import TelemetryConfigError
 from shardscale.telemetry._paths import check_path_template, rank_path
-from shardscale.telemetry._spec import TelemetryConfigError
 
 if TYPE_CHECKING:
     from shardscale.telemetry._rows import StepRow
@@ -65,6 +65,11 @@ class TensorBoardObserver:
 
     def __repr__(self) -> str:
         return f"TensorBoardObserver({self._template!r})"
+
+    @property
+    def path_template(self) -> str:
+        """The folder as given, ``{rank}`` not yet replaced."""
+        return self._template
 
     def open(self, rank: int) -> None:
         """Create ``log_dir`` for ``rank`` and a new event file in it."""

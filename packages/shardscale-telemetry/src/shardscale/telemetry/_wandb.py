@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from shardscale.telemetry._spec import TelemetryConfigError
+from shardscale.telemetry._errors import TelemetryConfigError
 
 if TYPE_CHECKING:
     from shardscale.telemetry._rows import StepRow

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
+from shardscale.cli._plugin_timeout import add_plugin_timeout_option, load_plugins_with_limit
+
 if TYPE_CHECKING:
     import torch
 
@@ -54,6 +56,7 @@ def add_doctor_parser(sub: Any) -> argparse.ArgumentParser:
                    "shardscale backend to prove the ranks can talk")  # fmt: skip
     p.add_argument("--backend", default=None, metavar="SPEC",
                    help="collective backend spec to check (default: automatic)")  # fmt: skip
+    add_plugin_timeout_option(p)
     p.set_defaults(func=run_doctor)
     return p
 
@@ -509,6 +512,7 @@ def run_doctor(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
     from shardscale.cli._ui import print_table
 
     out = stream if stream is not None else sys.stdout
+    load_plugins_with_limit(args.plugin_timeout)
     findings = run_checks(connect=args.connect, backend=args.backend)
     broken = any(f.status == "error" for f in findings)
     if args.json:

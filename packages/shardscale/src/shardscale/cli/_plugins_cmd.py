@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any, TextIO
 
+from shardscale.cli._plugin_timeout import add_plugin_timeout_option, load_plugins_with_limit
+
 __all__ = ["add_plugins_parser", "collect_plugins", "run_plugins"]
 
 _PLURAL = {"backend": "backends", "middleware": "middleware", "adapter": "adapters",
@@ -23,6 +25,7 @@ def add_plugins_parser(sub: Any) -> argparse.ArgumentParser:
         "on this machine (and why not), and plugins that failed to load.",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_plugin_timeout_option(p)
     p.set_defaults(func=run_plugins)
     return p
 
@@ -127,6 +130,7 @@ def run_plugins(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
     from shardscale.cli._ui import print_table
 
     out = stream if stream is not None else sys.stdout
+    load_plugins_with_limit(args.plugin_timeout)
     data = collect_plugins()
     broken = [f for f in data["failures"] if not f["blocked"]]
     if args.json:

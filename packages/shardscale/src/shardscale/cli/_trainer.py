@@ -420,10 +420,10 @@ def train(
     # Every rank reads each step's row (the overflow report below is a collective), so every
     # rank flushes each step: the one host read per step the progress display needs anyway.
     feed = _RowFeed()
-    observers: list[Any] = [feed]
-    if ctx.is_main and steps_file is not None:
-        observers.append(JsonlObserver(steps_file))
-    session: Telemetry = enable(*observers, flush_every=1, ranks="all")
+    sessions: list[Telemetry] = [enable(feed, flush_every=1, ranks="all")]
+    if steps_file is not None:
+        # Its own session: one file, written by global rank 0 only.
+        sessions.append(enable(JsonlObserver(steps_file), flush_every=1, ranks=0))
     scale = scaler.get_scale()  # the first step's; later ones come from the rows
     history: list[StepMetrics] = []
     skipped_total = 0
@@ -466,7 +466,8 @@ def train(
             if on_step is not None:
                 on_step(metrics)
     finally:
-        session.close()
+        for session in sessions:
+            session.close()
     backend_name = _chain_name(scaler.backend)
     if cfg.backend is None:
         backend_name += " (automatic)"
