@@ -26,6 +26,8 @@ from shardscale.core._contract import (
 )
 from shardscale.core._errors import (
     BackendUnavailableError,
+    DeclarationError,
+    GradientDtypeError,
     LayoutError,
     PluginConflictError,
     PluginNotFoundError,
@@ -70,11 +72,13 @@ from shardscale.core._step_engine import (
     PrecomputedNorms,
     StepConfig,
     StepError,
+    StepRequest,
     StepResult,
     poll_errors,
     read_tensor_norm,
     run_step,
 )
+from shardscale.core._step_vector import VectorLayout
 
 __all__ = [
     # the scaler
@@ -84,7 +88,9 @@ __all__ = [
     # the step engine every caller goes through
     "run_step",
     "StepConfig",
+    "StepRequest",
     "StepResult",
+    "VectorLayout",
     "distinct_param_ids",
     "StepError",
     "GradientDeviceError",
@@ -142,6 +148,8 @@ __all__ = [
     "PluginConflictError",
     "BackendUnavailableError",
     "LayoutError",
+    "DeclarationError",
+    "GradientDtypeError",
     "ScalerStateError",
     "PluginWarning",
 ]

@@ -12,6 +12,8 @@ __all__ = [
     "PluginConflictError",
     "BackendUnavailableError",
     "LayoutError",
+    "GradientDtypeError",
+    "DeclarationError",
     "PluginWarning",
 ]
 
@@ -37,6 +39,15 @@ class BackendUnavailableError(ShardscaleError):
 
 class LayoutError(ShardscaleError, ValueError):
     """Gradients are laid out in a way no adapter can combine into one global value."""
+
+
+class GradientDtypeError(ShardscaleError, TypeError):
+    """A gradient that is not real floating point (integer, bool, complex)."""
+
+
+class DeclarationError(ShardscaleError, ValueError):
+    """A ``distinct_dims``/``distinct_params`` declaration that does not fit the step's
+    parameters, or that differs between the ranks of one step."""
 
 
 class PluginWarning(UserWarning):
