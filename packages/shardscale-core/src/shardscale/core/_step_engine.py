@@ -73,9 +73,11 @@ so the declarations are checked twice:
 * across ranks, in the same all-reduce: each rank fingerprints what must be
   the same on every rank of a norm step -- the sorted ``distinct_dims``,
   ``norm_type`` and ``max_norm``, and the shapes and dtypes of the plain
-  tensors it treats as replicas (replicas are the same tensors everywhere;
-  what a rank declared its own, e.g. its experts, may legitimately differ,
-  so it is left out). Ranks whose fingerprints differ all raise.
+  tensors of the step it treats as replicas, whether or not they hold a
+  gradient here (replicas are the same tensors everywhere, though a rank may
+  lack one's gradient; what a rank declared its own, e.g. its experts, may
+  legitimately differ, so it is left out). Ranks whose fingerprints differ
+  all raise.
   Steps without a norm (``unscale_``, the fused check) fingerprint only that
   fact: their decision does not depend on declarations.
 
@@ -550,7 +552,7 @@ def _check(
         local.kernels = {
             dev: config.registry.kernels_for(dev, config.kernels) for dev in local.buckets.devices()
         }
-        local.declarations = _declarations(local, config)
+        local.declarations = _declarations(local, items, config)
     except Exception as exc:
         local.record(exc)
 
@@ -635,18 +637,26 @@ def _check_distinct_params(
             )
 
 
-def _declarations(local: _Local, config: StepConfig) -> str:
+def _declarations(local: _Local, items: Sequence[torch.Tensor], config: StepConfig) -> str:
     """What must agree across the ranks of this step (see [Note: declarations])."""
     if local.norm_type is None:
         return "no norm"
     if local.world <= 1:
         return "one rank"  # nothing to agree with; spares the walk below
-    replicas: Counter[str] = Counter()
+    replicas: Counter[tuple[tuple[int, ...], torch.dtype]] = Counter()
     if ALL_RANKS not in config.distinct_dims:
-        for owner, tensor in local.buckets.owner_pairs():
-            if id(owner) not in config.distinct_params and _PLAIN.claims(owner):
-                replicas[f"{tuple(owner.shape)} {str(tensor.dtype).removeprefix('torch.')}"] += 1
-    listing = ", ".join(f"{n} x {key}" for key, n in sorted(replicas.items()))
+        distinct = config.distinct_params
+        # The step's tensors, with a gradient or not: a replica may lack one on some rank.
+        for item in items:
+            if id(item) not in distinct and _PLAIN.claims(item):
+                replicas[(tuple(item.shape), item.dtype)] += 1
+    # Sorted: the multiset, not the order the parameters happen to be listed in.
+    listing = ", ".join(
+        sorted(
+            f"{n} x {shape} {str(dtype).removeprefix('torch.')}"
+            for (shape, dtype), n in replicas.items()
+        )
+    )
     return (
         f"distinct_dims={sorted(config.distinct_dims)}, norm_type={local.norm_type}, "
         f"max_norm={local.max_norm}, replicated plain tensors [{listing}]"
