@@ -130,3 +130,150 @@ def test_a_bad_max_norm_on_one_rank_stops_every_rank(pool2: Pool) -> None:
     for r in (r0, r1):
         assert r["seconds"] < FAST, r
         assert r["grads_unchanged"] and r["scale_unchanged"], r
+
+
+# -- declarations (items 4, 5, 6) ---------------------------------------------------------------
+
+
+def _stage_params(rank: int) -> list[torch.nn.Parameter]:
+    """Rank r's pipeline stage held in plain tensors: different values on every rank."""
+    params = []
+    for i, shape in enumerate(SHAPES):
+        p = torch.nn.Parameter(torch.zeros(shape))
+        p.grad = _grad(10 * (rank + 1) + i, shape) * (rank + 1)
+        params.append(p)
+    return params
+
+
+def _attempt(call: Any, params: list[torch.nn.Parameter], scaler: Any = None) -> dict[str, Any]:
+    """Run ``call``; report what it raised, how fast, and whether anything changed."""
+    from shardscale.core import StepError
+
+    before = [p.grad.clone() for p in params]  # type: ignore[union-attr]
+    scale = scaler.get_scale() if scaler is not None else None
+    out: dict[str, Any] = {"rank": dist.get_rank(), "error": None, "text": ""}
+    start = time.monotonic()
+    try:
+        out["norm"] = float(call())
+    except StepError as exc:
+        out["error"], out["text"] = "StepError", str(exc)
+    except Exception as exc:
+        out["error"], out["text"] = type(exc).__name__, str(exc)
+    out["seconds"] = time.monotonic() - start
+    out["grads_unchanged"] = all(
+        torch.equal(p.grad, b)  # type: ignore[arg-type]
+        for p, b in zip(params, before, strict=True)
+    )
+    if scaler is not None:
+        out["scale_unchanged"] = scaler.get_scale() == scale
+        state = scaler._per_optimizer_states
+        out["ready"] = all(s["stage"].name == "READY" for s in state.values())
+    return out
+
+
+def _pp_name_on_plain_stages_case(front: str, dims: tuple[str, ...]) -> dict[str, Any]:
+    from shardscale.clip import clip_grad_norm_
+    from shardscale.core import ShardedGradScaler
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    params = _stage_params(rank)
+    if front == "scaler":
+        opt = torch.optim.SGD(params, lr=0.1)
+        scaler = ShardedGradScaler("cpu", backend="c10d", distinct_dims=dims, init_scale=1.0)
+        out = _attempt(lambda: scaler.unscale_(opt, max_norm=1.0), params, scaler)
+    else:
+        out = _attempt(
+            lambda: clip_grad_norm_(params, 1.0, backend="c10d", distinct_dims=dims), params
+        )
+    every = torch.cat([p.grad.flatten() for r in range(world) for p in _stage_params(r)])  # type: ignore[union-attr]
+    out["want"] = float(torch.linalg.vector_norm(every.double()))
+    out["numel"] = every.numel()
+    return out
+
+
+@pytest.mark.parametrize("front", ["scaler", "clip"])
+def test_a_mesh_dim_name_on_plain_stages_is_refused_everywhere(pool2: Pool, front: str) -> None:
+    # Item 4: distinct_dims=("pp",) on plain per-stage tensors counted rank 0's stage only.
+    for res in pool2.run(_pp_name_on_plain_stages_case, front, ("pp",), timeout=60):
+        assert isinstance(res, dict)
+        assert res["error"] == "DeclarationError", res
+        assert "distinct_dims=('*',)" in res["text"] and "distinct_params" in res["text"], res
+        assert res["grads_unchanged"] and res["seconds"] < FAST, res
+        if front == "scaler":
+            assert res["scale_unchanged"] and res["ready"], res
+
+
+def test_star_on_plain_stages_gives_the_true_norm(pool2: Pool) -> None:
+    # The fix the refusal names: every rank's stage counts.
+    for res in pool2.run(_pp_name_on_plain_stages_case, "clip", ("*",), timeout=60):
+        assert isinstance(res, dict) and res["error"] is None, res
+        # Two p=2 norms of the same float32 values: each within norm_rtol of the exact one.
+        assert res["norm"] == pytest.approx(
+            res["want"], rel=2 * norm_rtol(res["numel"], torch.float32, 2.0)
+        )
+
+
+def _disagreeing_case(what: str) -> dict[str, Any]:
+    from shardscale.core import ShardedGradScaler
+
+    rank = dist.get_rank()
+    dense, experts = _expert_world(rank)
+    params = [*dense, *experts]
+    opt = torch.optim.SGD(params, lr=0.1)
+    kwargs: dict[str, Any] = {"backend": "counting+c10d", "init_scale": 1.0}
+    max_norm = 1.0
+    if what == "distinct_params":  # rank 1 forgot to declare its experts
+        kwargs["distinct_params"] = experts if rank == 0 else []
+    elif what == "distinct_dims":  # rank 0 says every plain tensor is its own, rank 1 not
+        kwargs["distinct_dims"] = ("*",) if rank == 0 else ()
+        kwargs["distinct_params"] = experts if rank == 1 else []
+    elif what == "max_norm":
+        kwargs["distinct_params"] = experts
+        max_norm = 1.0 + rank
+    scaler = ShardedGradScaler("cpu", **kwargs)
+    out = _attempt(lambda: scaler.unscale_(opt, max_norm=max_norm), params, scaler)
+    out["collectives"] = len(scaler.backend.records)  # type: ignore[attr-defined]
+    return out
+
+
+@pytest.mark.parametrize("what", ["distinct_params", "distinct_dims", "max_norm"])
+def test_ranks_that_declare_differently_all_raise(pool2: Pool, what: str) -> None:
+    # Item 5: a wrong norm, identical on every rank and without a word, before.
+    for res in pool2.run(_disagreeing_case, what, timeout=60):
+        assert isinstance(res, dict)
+        assert res["error"] == "DeclarationError", res
+        assert "ranks [0] vs ranks [1]" in res["text"], res
+        assert res["grads_unchanged"] and res["scale_unchanged"] and res["ready"], res
+        assert res["seconds"] < FAST, res
+        # The fingerprint rode in the step's one all-reduce (the chain check is beside it).
+        assert res["collectives"] == 1, res
+
+
+def _stranger_case(front: str) -> dict[str, Any]:
+    from shardscale.clip import clip_grad_norm_
+    from shardscale.core import ShardedGradScaler
+
+    rank = dist.get_rank()
+    dense, experts = _expert_world(rank)
+    # Declared, then replaced (as fully_shard or a copy of the model would): a stranger.
+    declared = [torch.nn.Parameter(e.detach().clone()) for e in experts]
+    params = [*dense, *experts]
+    if front == "scaler":
+        opt = torch.optim.SGD(params, lr=0.1)
+        scaler = ShardedGradScaler("cpu", backend="c10d", distinct_params=declared)
+        return _attempt(lambda: scaler.unscale_(opt, max_norm=1.0), params, scaler)
+    return _attempt(
+        lambda: clip_grad_norm_(params, 1.0, backend="c10d", distinct_params=declared), params
+    )
+
+
+@pytest.mark.parametrize("front", ["scaler", "clip"])
+def test_distinct_params_outside_the_step_are_refused(pool2: Pool, front: str) -> None:
+    # Item 6: they were matched by id() and silently ignored.
+    for res in pool2.run(_stranger_case, front, timeout=60):
+        assert isinstance(res, dict)
+        assert res["error"] == "DeclarationError", res
+        assert "not" in res["text"] and "would be ignored" in res["text"], res
+        assert res["grads_unchanged"] and res["seconds"] < FAST, res
+        if front == "scaler":
+            assert res["scale_unchanged"] and res["ready"], res

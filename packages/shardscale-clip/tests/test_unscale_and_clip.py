@@ -30,6 +30,7 @@ from shardscale.core import (
     LocalBackend,
     ReduceOp,
     ShardedGradScaler,
+    VectorLayout,
 )
 from shardscale.core.testing import recording_steps
 
@@ -241,10 +242,10 @@ def test_one_collective_per_step_carrying_norm_and_overflow() -> None:
     # non-finite count, error code) and the shared nan count; world size 1 here.
     backend = TallyBackend()
     *_, _returned = run_pair(torch.float32, "adam_fused", 1.0, 2.0, backend=backend)
-    assert backend.calls == [(5 * 1 + 1, ReduceOp.SUM)] * STEPS
+    assert backend.calls == [(VectorLayout(1).size, ReduceOp.SUM)] * STEPS
     backend = TallyBackend()
     run_pair(torch.float32, "sgd_foreach", 1.0, math.inf, backend=backend)
-    assert backend.calls == [(5 * 1 + 1, ReduceOp.SUM)] * STEPS
+    assert backend.calls == [(VectorLayout(1).size, ReduceOp.SUM)] * STEPS
 
 
 def test_result_is_a_plain_float32_tensor_on_the_scale_device() -> None:

@@ -7,6 +7,7 @@ a full snapshot); here the point is that the *text* and the *type* do not depend
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import math
 from collections.abc import Callable
@@ -201,3 +202,65 @@ def test_scaler_clip_grad_norm_error_if_nonfinite_changes_nothing() -> None:
         scaler.clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
     for p, b in zip(params, before, strict=True):
         assert p.grad is not None and torch.equal(p.grad, b)
+
+
+# -- distinct_params of a scaler that steps several optimizers -----------------------------------
+
+
+def _two_optimizers() -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(2))]
+    b = [torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(5))]
+    return a, b
+
+
+def _backward(scaler: ShardedGradScaler, params: list[torch.nn.Parameter]) -> None:
+    scaler.scale(sum((p * p).sum() for p in params)).backward()  # type: ignore[union-attr]
+
+
+def test_declared_params_of_another_optimizer_are_not_strangers() -> None:
+    from shardscale.core import DeclarationError
+
+    a, b = _two_optimizers()
+    opt_a, opt_b = torch.optim.SGD(a, lr=0.1), torch.optim.SGD(b, lr=0.1)
+    scaler = ShardedGradScaler("cpu", backend="local", distinct_params=b[:1])
+    for _ in range(2):  # the first iteration, before opt_b was ever seen, and the second
+        _backward(scaler, a + b)
+        for opt in (opt_a, opt_b):
+            norm = scaler.unscale_(opt, max_norm=math.inf)
+            assert norm is not None and math.isfinite(float(norm))
+            scaler.step(opt)
+        scaler.update()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+    # A third optimizer's stranger: refused once the scaler has seen a whole iteration.
+    c = [torch.nn.Parameter(torch.randn(6))]
+    other = ShardedGradScaler("cpu", backend="local", distinct_params=c)
+    opt_c = torch.optim.SGD(c, lr=0.1)
+    _backward(other, a + c)
+    other.unscale_(opt_a, max_norm=math.inf)  # c holds a gradient: maybe another optimizer's
+    other.step(opt_a)
+    other.unscale_(opt_c, max_norm=math.inf)
+    other.step(opt_c)
+    other.update()
+    del opt_c  # no optimizer of this scaler holds c any more
+    gc.collect()
+    opt_a.zero_grad()
+    _backward(other, a + c)
+    before = [p.grad.clone() for p in a]  # type: ignore[union-attr]
+    with pytest.raises(DeclarationError, match=r"holds 1 tensor\(s\) .*not parameters of any"):
+        other.unscale_(opt_a, max_norm=math.inf)
+    assert all(torch.equal(p.grad, g) for p, g in zip(a, before, strict=True))  # type: ignore[arg-type]
+
+
+def test_declared_params_without_a_gradient_outside_every_optimizer_are_refused_at_once() -> None:
+    from shardscale.core import DeclarationError
+
+    a, _ = _two_optimizers()
+    stale = [torch.nn.Parameter(p.detach().clone()) for p in a]  # as before fully_shard
+    opt = torch.optim.SGD(a, lr=0.1)
+    scaler = ShardedGradScaler("cpu", backend="local", distinct_params=stale)
+    _backward(scaler, a)
+    with pytest.raises(DeclarationError, match="would be ignored"):
+        scaler.unscale_(opt, max_norm=1.0)
+    assert scaler._per_optimizer_states[id(opt)]["stage"].name == "READY"

@@ -296,3 +296,56 @@ class _KernelsPlugin:
     @hookimpl
     def shardscale_stats_kernels(self) -> list[object]:
         return [self.kernels]
+
+
+# -- the engine module's shape (issue 18) --------------------------------------------------------
+
+
+def test_the_reduced_vector_note_names_the_layouts_blocks_in_order() -> None:
+    # "[Note: the reduced vector]" must match the code: its table lists VectorLayout's blocks.
+    import re
+
+    from shardscale.core import VectorLayout
+    from shardscale.core import _step_engine as engine
+
+    doc = engine.__doc__ or ""
+    # The note itself (a header on its own line), not the mentions of it.
+    note = doc[doc.index("\n[Note: the reduced vector]\n") : doc.index("\n[Note: declarations]\n")]
+    rows = re.findall(r"^(\w+)\s{2,}\S", note, flags=re.MULTILINE)
+    assert rows[0] == "block"  # the table's header row
+    assert tuple(rows[1:]) == VectorLayout.PER_RANK
+    w = 3
+    layout = VectorLayout(w)
+    assert f"{len(VectorLayout.PER_RANK)}·W + {len(VectorLayout.SHARED)}" in note
+    assert layout.size == len(VectorLayout.PER_RANK) * w + len(VectorLayout.SHARED)
+    # Blocks tile the vector without overlap.
+    covered = [i for name in VectorLayout.PER_RANK for i in range(layout.size)[layout.block(name)]]
+    assert covered == list(range(len(VectorLayout.PER_RANK) * w))
+    starts = [layout.block(name).start for name in VectorLayout.PER_RANK]
+    assert starts == sorted(starts) and len(set(starts)) == len(starts)
+    assert layout.shared("nan") == layout.size - 1
+
+
+def test_errors_are_classified_by_type_not_by_message() -> None:
+    from shardscale.core import DeclarationError, GradientDtypeError, LayoutError
+    from shardscale.core._step_errors import ERROR_KINDS, error_code
+
+    def code_of(kind: type[BaseException]) -> int:
+        return next(i for i, (k, _) in enumerate(ERROR_KINDS, start=1) if k is kind)
+
+    assert error_code(GradientDtypeError("anything")) == code_of(GradientDtypeError)
+    # A TypeError that merely mentions floating point is a bad argument, not a dtype error.
+    assert error_code(TypeError("must be real floating point")) != code_of(GradientDtypeError)
+    assert error_code(DeclarationError("x")) == code_of(DeclarationError)
+    assert error_code(LayoutError("x")) == code_of(LayoutError)  # a ValueError, but specific
+    assert error_code(KeyError("x")) == len(ERROR_KINDS) + 1  # unexpected
+    assert all(error_code(kind("x")) > 0 for kind in (ValueError, RuntimeError))
+
+
+def test_an_integer_gradient_is_a_gradient_dtype_error() -> None:
+    from shardscale.core import GradientDtypeError
+
+    p = torch.zeros(3, dtype=torch.int64)
+    p.grad = torch.ones(3, dtype=torch.int64)
+    with pytest.raises(GradientDtypeError, match="real floating point"):
+        run_step([p], _config(), apply=Apply.NOTHING, norm_type=2.0)

@@ -29,6 +29,8 @@ from shardscale.core._contract import (
 from shardscale.core._ema import update_averaged_model
 from shardscale.core._errors import (
     BackendUnavailableError,
+    DeclarationError,
+    GradientDtypeError,
     LayoutError,
     ObserverSettingError,
     PluginConflictError,
@@ -88,11 +90,13 @@ from shardscale.core._step_engine import (
     PrecomputedNorms,
     StepConfig,
     StepError,
+    StepRequest,
     StepResult,
     poll_errors,
     read_tensor_norm,
     run_step,
 )
+from shardscale.core._step_vector import VectorLayout
 
 __all__ = [
     # the scaler
@@ -117,7 +121,9 @@ __all__ = [
     # the step engine every caller goes through
     "run_step",
     "StepConfig",
+    "StepRequest",
     "StepResult",
+    "VectorLayout",
     "distinct_param_ids",
     "StepError",
     "GradientDeviceError",
@@ -178,6 +184,8 @@ __all__ = [
     "BackendUnavailableError",
     "LayoutError",
     "AliasedGradientError",
+    "DeclarationError",
+    "GradientDtypeError",
     "ScalerStateError",
     "ObserverSettingError",
     "PluginWarning",

@@ -11,9 +11,12 @@ The norm options (``max_norm``, ``norm_type``) are checked again by the step
 engine's *check* stage, where a refusal is recorded and reaches every rank
 through the step's one collective: a rank that alone passes a bad value (a
 per-rank schedule gone wrong) stops every rank instead of leaving them waiting.
-Declarations (``distinct_dims``, ``distinct_params``) and names (``kernels``,
-backend) are checked where they are given -- a constructor or a clip call --
-because they are built into the step's configuration.
+Declarations (``distinct_dims``, ``distinct_params``) are checked for their
+types where they are given -- a constructor or a clip call -- because they are
+built into the step's configuration; whether they fit the parameters, and
+agree across ranks, is the step's business ([Note: declarations] in
+``_step_engine``). A backend spec is checked in one place,
+``Registry.make_backend``, which every front end calls.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from shardscale.core._protocols import CollectiveBackend
     from shardscale.core._registry import Registry
 
 __all__ = [
@@ -39,7 +41,6 @@ __all__ = [
     "distinct_param_ids",
     "kernels_name",
     "nonfinite_norm_error",
-    "resolve_backend",
 ]
 
 #: In ``distinct_dims``: every rank holds its own plain tensors (and every mesh dim differs).
@@ -192,8 +193,3 @@ def distinct_param_ids(
             )
         ids.append(id(p))
     return frozenset(ids)
-
-
-def resolve_backend(spec: object, registry: Registry) -> CollectiveBackend:
-    """The backend for ``spec`` (a spec string, a backend object, or None: automatic)."""
-    return registry.make_backend(spec)  # type: ignore[arg-type]  # it checks the type itself

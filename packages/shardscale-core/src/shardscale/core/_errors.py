@@ -13,6 +13,8 @@ __all__ = [
     "BackendUnavailableError",
     "LayoutError",
     "ObserverSettingError",
+    "GradientDtypeError",
+    "DeclarationError",
     "PluginWarning",
 ]
 
@@ -50,6 +52,15 @@ class ObserverSettingError(ShardscaleError):
     code). An observer raises it once, not at every step. A ``fix`` string
     attribute, if present, is shown as the fix.
     """
+
+
+class GradientDtypeError(ShardscaleError, TypeError):
+    """A gradient that is not real floating point (integer, bool, complex)."""
+
+
+class DeclarationError(ShardscaleError, ValueError):
+    """A ``distinct_dims``/``distinct_params`` declaration that does not fit the step's
+    parameters, or that differs between the ranks of one step."""
 
 
 class PluginWarning(UserWarning):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardscale.core._errors import LayoutError
+from shardscale.core._errors import GradientDtypeError, LayoutError
 from shardscale.core._protocols import AdapterContext
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ def collect_grads(
                     "every rank that holds these parameters (the default group usually does)."
                 )
         if local.is_complex() or not local.is_floating_point():
-            raise TypeError(
+            raise GradientDtypeError(
                 f"gradients must be real floating point, got {local.dtype} for a parameter of "
                 f"shape {tuple(param.shape)}; mixed precision scaling and norm clipping only "
                 "apply to float16/bfloat16/float32/float64 parameters"

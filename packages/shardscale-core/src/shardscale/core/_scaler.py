@@ -44,6 +44,7 @@ from shardscale.core._contract import (
     kernels_name,
     nonfinite_norm_error,
 )
+from shardscale.core._errors import DeclarationError
 from shardscale.core._gradients import optimizer_params
 from shardscale.core._overflow import OverflowReport, build_overflow_report
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, StepRecord
@@ -140,7 +141,7 @@ def _nonfinite_per_rank(
 ) -> torch.Tensor | None:
     # Each engine step's reduced vector already holds every rank's count of non-finite
     # gradients (see [Note: localisation rides on the step's read]): a slice, no host read.
-    counts = [r.vector[2 * r.world_size : 3 * r.world_size] for _, r in iteration]
+    counts = [r.vector[r.layout.block("nonfinite")] for _, r in iteration]
     if not counts or len({c.shape for c in counts}) != 1:
         return None
     return counts[0] if len(counts) == 1 else torch.stack(counts).sum(dim=0)
@@ -213,6 +214,8 @@ class ShardedGradScaler:
     _last_iteration: list[tuple[weakref.ref[torch.optim.Optimizer], StepResult]]
     _last_skipped: torch.Tensor | None
     _chain_verified: bool
+    _optimizers: weakref.WeakSet[torch.optim.Optimizer]
+    _optimizers_known: bool
 
     def __init__(
         self,
@@ -269,6 +272,10 @@ class ShardedGradScaler:
         # Kept alive so that no other tensor can reuse a declared parameter's id(), and so that
         # a copy of the scaler together with its model (pickle, deepcopy) finds the copies.
         self._distinct_refs = tuple(distinct_params)  # type: ignore[arg-type]
+        # Every optimizer this scaler stepped: where its declared distinct_params may live;
+        # complete once an update() ended an iteration that stepped them.
+        self._optimizers = weakref.WeakSet()
+        self._optimizers_known = False
         self._registry = registry
         self._kernels_name = check_kernels(kernels)
         self._backend_spec = backend
@@ -427,6 +434,9 @@ class ShardedGradScaler:
         kernels = options.pop("kernels", None)
         if kernels is not None:
             config = dataclasses.replace(config, kernels=kernels)
+        refusal = None
+        if self._distinct_params:
+            config, refusal = self._own_declarations(optimizer, config)
         if not self._chain_verified:
             # Every rank's scaler reaches its first step together: check the chains there.
             config = dataclasses.replace(config, verify_chain=True)
@@ -438,10 +448,46 @@ class ShardedGradScaler:
             scale=options.pop("scale", self._scale),
             scale_device_type=self._device,
             defer_errors=defer_errors,
+            refusal=refusal,
             **options,
         )
         self._iteration.append((weakref.ref(optimizer), result))
         return result
+
+    def _own_declarations(
+        self, optimizer: torch.optim.Optimizer, config: StepConfig
+    ) -> tuple[StepConfig, DeclarationError | None]:
+        """The declared ``distinct_params`` of ``optimizer``, and a refusal for strangers.
+
+        A scaler may step several optimizers, so a declared parameter outside
+        this one is fine if another optimizer of this scaler holds it. One
+        that no optimizer of this scaler holds (declared before ``fully_shard``
+        replaced the parameters, or of another copy of the model) would be
+        ignored silently: refused, through the step, on every rank. Until the
+        first ``update()`` the other optimizers may not have been seen yet, so
+        only strangers without a gradient (trained by nobody) are refused then.
+        """
+        self._optimizers.add(optimizer)
+        mine = {id(p) for p in optimizer_params(optimizer)}
+        strangers = self._distinct_params - mine
+        config = dataclasses.replace(config, distinct_params=self._distinct_params & mine)
+        if not strangers:
+            return config, None
+        for other in self._optimizers:
+            strangers -= {id(p) for p in optimizer_params(other)}
+        unheld = [p for p in self._distinct_refs if id(p) in strangers]
+        if not self._optimizers_known:
+            unheld = [p for p in unheld if p.grad is None]
+        if not unheld:
+            return config, None
+        shapes = ", ".join(str(tuple(p.shape)) for p in unheld[:4])
+        return config, DeclarationError(
+            f"distinct_params of this ShardedGradScaler holds {len(unheld)} tensor(s) (shapes "
+            f"{shapes}{', ...' if len(unheld) > 4 else ''}) that are not parameters of any "
+            "optimizer it steps, so they would be ignored. Declare the parameters the "
+            "optimizer holds: after fully_shard/.to()/copying the model, pass the new "
+            "parameters (e.g. list(model.experts.parameters()) taken after the model is ready)"
+        )
 
     def _check_can_unscale(self, optimizer: torch.optim.Optimizer, what: str) -> _OptimizerState:
         state = self._opt_state(optimizer)
@@ -740,6 +786,7 @@ class ShardedGradScaler:
             self._update_scale(scale, tracker, found)
             self._last_skipped = found > 0
         poll_errors()  # an accelerator step's error that already arrived surfaces here, no sync
+        self._optimizers_known = bool(self._optimizers)
         self._per_optimizer_states = defaultdict(_OptimizerState)
         self._last_iteration, self._iteration = self._iteration, []
         self._step_count += 1
@@ -1020,9 +1067,11 @@ class ShardedGradScaler:
         if not isinstance(state["_backend_spec"], (str, type(None))):
             state["_backend_spec"] = None
         state["_registry"] = None
+        state["_optimizers"] = None  # weak references do not copy; found again on first step
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         # id()s do not survive a copy: take them again from the (copied) declared parameters.
         self._distinct_params = frozenset(id(p) for p in self._distinct_refs)
+        self._optimizers, self._optimizers_known = weakref.WeakSet(), False

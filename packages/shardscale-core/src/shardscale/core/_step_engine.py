@@ -2,54 +2,84 @@
 
 [Note: one step, top to bottom]
 Every caller that looks at gradients before an optimizer step --
-``ShardedGradScaler.unscale_``/``step``, ``shardscale.clip``'s
-``unscale_and_clip_``, ``clip_grad_norm_``, ``get_total_norm`` and
-``StreamingStats`` -- is a thin caller of :func:`run_step`, which does, in
-this order:
+``ShardedGradScaler.unscale_``/``step``/``clip_grad_norm_``,
+``shardscale.clip``'s ``unscale_and_clip_``, ``clip_grad_norm_``,
+``get_total_norm`` and ``StreamingStats`` -- is a thin caller of
+:func:`run_step`, which takes a frozen :class:`StepRequest` through these
+stages, each a function below, in this order:
 
 1. **collect**: each parameter's gradient is described by the adapter that
    claims it (local tensor, whether this rank's copy *counts* towards sums);
-2. **check**: anything wrong on this rank (a layout no adapter can combine, a
-   gradient on the meta device, an unknown ``distinct_dims`` name, ...) is
-   *recorded*, never raised yet: peers are about to wait for this rank in the
-   all-reduce, so it must join it;
+2. **check**: the options against the contract (``_contract``), the devices,
+   the kernels, the declarations against the parameters. Anything wrong on
+   this rank is *recorded*, never raised yet: peers are about to wait for this
+   rank in the all-reduce, so it must join it (see [Note: errors that reach
+   every rank] in ``_step_errors``);
 3. **read**: each local gradient is read once. The non-finite flag covers
    *every* local gradient, counted or not (replicas drift, a rank may hold a
    gradient others lack); the norm's statistics cover only the counted ones;
 4. **reduce**: ONE all-reduce (SUM) of a small float64 vector in which each
    rank fills its own slots (see [Note: the reduced vector]);
-5. **decide**: an error anywhere makes every rank raise, naming the failing
-   ranks; otherwise found_inf, the norm and the clip coefficient follow from
-   the vector, identically on every rank;
+5. **decide**: found_inf, the norm and the clip coefficient follow from the
+   vector, identically on every rank; an error or a disagreement anywhere
+   makes every rank raise, naming the ranks;
 6. **apply**: one in-place multiply, or nothing and a ``grad_scale`` for a
    fused optimizer.
 
 [Note: the reduced vector]
 With W ranks in the reduction group, rank r writes only slot r of each block
 and zeros elsewhere, so the SUM all-reduce is exact (adding zeros) and every
-rank receives every rank's numbers:
+rank receives every rank's numbers. The blocks are named in code by
+:class:`~shardscale.core._step_vector.VectorLayout`, in this order:
 
-========  ===============================================================
-block     rank r's slot
-========  ===============================================================
-M         max over its counted tensors of the tensor's p-norm (finite only)
-S         Σ_t (n_t / M_r)^p over the same tensors, each term ≤ 1
-nonfin    how many of its local gradients hold inf/nan
-error     an error code (0: none; see ``_ERROR_KINDS``)
-chain     a 24-bit fingerprint of its backend chain's names
-========  ===============================================================
+============  ===========================================================
+block         rank r's slot
+============  ===========================================================
+peak          M_r: max over its counted tensors of the tensor's p-norm
+              (finite ones)
+scaled_sum    S_r: Σ_t (n_t / M_r)^p over the same tensors, each term ≤ 1
+nonfinite     how many of its local gradients hold inf/nan
+error         an error code (0: none; ``_step_errors.ERROR_KINDS``)
+chain         a 24-bit fingerprint of its backend chain's names
+declarations  a 24-bit fingerprint of what must agree (see [Note: declarations])
+============  ===========================================================
 
-Ranks whose fingerprints differ raise together: they reached the same
+plus one value every rank adds to, ``nan``: how many of the non-finite
+gradients hold nan (the reported norm is nan then, else inf). The global norm
+is M·(Σ_r S_r (M_r/M)^p)^(1/p) with M = max_r M_r: no intermediate exceeds the
+norm itself, so the combination cannot overflow for any p > 0. Its size is
+6·W + 1 numbers: 48 KiB for 1024 ranks. The norm's dtype is decided on each
+rank from its own gradients (float64 if it reads float64 ones, as torch), so
+ranks agree whenever they hold the same parameter dtypes.
+
+Ranks whose chain fingerprints differ raise together: they reached the same
 collective through different middleware, which can mismatch and hang the
 next time (a scaler also checks once, beside the chain, before its first
 step, so a mismatch that would hang at once is caught too).
 
-plus two shared counters: how many counted float64 gradients exist (the
-norm is float64 if any rank has one, as in torch) and how many of the
-non-finite gradients hold nan (the reported norm is nan then, else inf).
-The global norm is M·(Σ_r S_r (M_r/M)^p)^(1/p) with M = max_r M_r: no
-intermediate exceeds the norm itself, so the combination cannot overflow for
-any p > 0. Its size is 5·W + 1 numbers: 40 KiB for 1024 ranks.
+[Note: declarations]
+How a norm counts plain tensors rests on what each rank declares: a plain
+tensor is a replica (counted on group rank 0 only) unless ``"*"`` is in
+``distinct_dims`` or it is in this rank's ``distinct_params``; a DTensor's
+replicas along the mesh dims named in ``distinct_dims`` count as different
+parameters. A wrong declaration on one rank gives a wrong norm on every rank,
+so the declarations are checked twice:
+
+* on each rank, against its parameters (check stage): every name of
+  ``distinct_dims`` other than ``"*"`` must be a dim of these parameters'
+  meshes -- and a step whose parameters are all plain tensors has no mesh, so
+  a name there is refused with its fix (``"*"`` or ``distinct_params``);
+  every ``distinct_params`` tensor must be one of the step's tensors;
+* across ranks, in the same all-reduce: each rank fingerprints what must be
+  the same on every rank of a norm step -- the sorted ``distinct_dims``,
+  ``norm_type`` and ``max_norm``, and the shapes and dtypes of the plain
+  tensors of the step it treats as replicas, whether or not they hold a
+  gradient here (replicas are the same tensors everywhere, though a rank may
+  lack one's gradient; what a rank declared its own, e.g. its experts, may
+  legitimately differ, so it is left out). Ranks whose fingerprints differ
+  all raise.
+  Steps without a norm (``unscale_``, the fused check) fingerprint only that
+  fact: their decision does not depend on declarations.
 
 [Note: per-tensor norms without overflow]
 For p = 1 and p = 2 a tensor's norm is one read, accumulated in float32
@@ -70,18 +100,36 @@ from __future__ import annotations
 import enum
 import math
 import weakref
-import zlib
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from shardscale.core._aliasing import check_no_aliased_grads
-from shardscale.core._contract import check_max_norm, check_norm_type
-from shardscale.core._errors import LayoutError, ShardscaleError
+from shardscale.core._contract import ALL_RANKS, check_max_norm, check_norm_type
+from shardscale.core._errors import DeclarationError
 from shardscale.core._gradients import GradBuckets, collect_grads
+from shardscale.core._plain_adapter import PlainTensorAdapter
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, Handle, ReduceOp
+from shardscale.core._step_errors import (
+    ErrorBlocks,
+    GradientDeviceError,
+    StepError,
+    add_pending,
+    chain_names,
+    disagree,
+    drop_pending,
+    error_code,
+    failing_ranks,
+    fingerprint,
+    poll_errors,
+    raise_pending_errors,
+    raise_step_errors,
+    verify_same_chain,
+)
+from shardscale.core._step_vector import VectorLayout
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -95,6 +143,7 @@ __all__ = [
     "PrecomputedNorms",
     "StepConfig",
     "StepError",
+    "StepRequest",
     "StepResult",
     "poll_errors",
     "read_tensor_norm",
@@ -103,30 +152,6 @@ __all__ = [
 
 #: Added to the norm before dividing, as torch's clip_grad_norm_ does.
 EPS = 1e-6
-
-# Error codes carried in the vector's error block: what peers can say about a failing rank.
-_ERROR_KINDS: dict[int, str] = {
-    1: "a gradient layout no installed adapter can combine (LayoutError)",
-    2: "a gradient on a device this step cannot read (meta, or another accelerator)",
-    3: "a gradient that is not real floating point",
-    4: "a parameter no installed adapter claims",
-    5: "bad arguments to the step (see that rank's error)",
-    6: "an unexpected error while reading gradients",
-}
-
-
-class StepError(ShardscaleError):
-    """Another rank (or ranks) failed inside a step that every rank joined.
-
-    Raised on the ranks that were fine; the failing ranks raise their own
-    error, with a note saying the others were told. ``ranks`` lists the
-    failing ranks of the reduction group, ``kinds`` what each had.
-    """
-
-    def __init__(self, message: str, *, ranks: tuple[int, ...], kinds: dict[int, str]) -> None:
-        super().__init__(message)
-        self.ranks = ranks
-        self.kinds = kinds
 
 
 class Apply(enum.Enum):
@@ -152,7 +177,9 @@ class StepConfig:
     different parameters (pipeline stages, expert groups; ``"*"``: every rank
     holds its own plain tensors); ``distinct_params`` the ``id()`` of plain
     tensors this rank holds its own of while the other plain tensors are
-    replicated (experts placed on this rank; see :func:`distinct_param_ids`).
+    replicated (experts placed on this rank; see
+    :func:`~shardscale.core.distinct_param_ids`). Each must be one of the
+    step's tensors.
     """
 
     backend: CollectiveBackend
@@ -184,6 +211,39 @@ class PrecomputedNorms(Protocol):
     def lookup(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """The 0-dim norm of exactly this local tensor, or None if it was not seen."""
         ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepRequest:
+    """What one :func:`run_step` call asks for (its keyword arguments, documented there).
+
+    ``norm_type`` and ``max_norm`` are as the caller passed them: the check
+    stage validates them against the contract, so that a bad value on one
+    rank reaches every rank.
+    """
+
+    apply: Apply
+    norm_type: float | None = None
+    max_norm: float = math.inf
+    scale: torch.Tensor | None = None
+    as_grads: bool = False
+    precomputed: PrecomputedNorms | None = None
+    scale_device_type: str | None = None
+    defer_errors: bool = False
+    unscale_by: torch.Tensor | None = None
+    nonfinite_error: BaseException | None = None
+    lazy: bool = False
+    refusal: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        # The caller's own contract with the engine: a programming error, raised at once.
+        if self.apply in (Apply.UNSCALE, Apply.FUSED) and self.scale is None:
+            raise ValueError(f"Apply.{self.apply.name} needs the scale the gradients carry")
+        if self.lazy and (self.norm_type is not None or self.apply not in _LAZY_APPLY):
+            raise ValueError("lazy=True is for steps that apply nothing after the decision")
+
+
+_LAZY_APPLY = (Apply.UNSCALE, Apply.NOTHING)
 
 
 @dataclass(slots=True, eq=False)
@@ -218,10 +278,16 @@ class StepResult:
     #: The backend chain's names and the group, for a chain-mismatch message.
     chain: str = ""
     group: Any = None
-    _codes: torch.Tensor | None = None
-    _event: Any = None
+    #: What this rank declared (see [Note: declarations]), for a mismatch message.
+    declarations: str = ""
+    _errors: ErrorBlocks | None = None
     _raised: bool = False
-    _complete: Any = None
+    _complete: Callable[[], None] | None = None
+
+    @property
+    def layout(self) -> VectorLayout:
+        """The names of :attr:`vector`'s blocks."""
+        return VectorLayout(self.world_size)
 
     def wait(self) -> StepResult:
         """Finish a ``lazy`` step: wait for the all-reduce and decide (a no-op otherwise)."""
@@ -230,83 +296,54 @@ class StepResult:
             complete()
         return self
 
-    def _start_error_read(self) -> None:
-        # The same path on every device, and never a device-to-host sync: the error block is
-        # copied into host memory (pinned, asynchronous on a GPU) and read there with tolist().
-        w = self.world_size
-        block = self.vector[3 * w : 5 * w]  # error codes and chain fingerprints
-        on_gpu = block.device.type == "cuda"
-        self._codes = torch.empty(2 * w, dtype=block.dtype, pin_memory=on_gpu)
-        self._codes.copy_(block, non_blocking=on_gpu)
-        if on_gpu:
-            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._event.record()
-            _pending.append(self)
-
-    def _codes_now(self, *, wait: bool) -> list[float] | None:
-        if self._event is not None:
-            if not wait and not self._event.query():
-                return None
-            self._event.synchronize()
-        assert self._codes is not None
-        codes: list[float] = self._codes.tolist()
-        return codes
+    @property
+    def errors_arrived(self) -> bool:
+        """Whether the error blocks are readable on the host without waiting."""
+        return self._errors is None or self._errors.arrived()
 
     def failed_now(self) -> bool:
         """Whether a failure is already known on the host (always answered off the GPU)."""
         if self.local_error is not None:
             return True
-        codes = self._codes_now(wait=False) if self._event is None else None
-        return bool(codes and any(codes[: self.world_size]))
+        if self._errors is None or self._errors.on_device:
+            return False
+        blocks = self._errors.read(wait=False)
+        if blocks is None:
+            return False
+        return bool(failing_ranks(blocks)) or any(
+            disagree(blocks, name) for name in ("chain", "declarations")
+        )
 
     def raise_errors(self, *, wait: bool = True) -> None:
-        """Raise on every rank if any rank of the step failed; a no-op otherwise.
+        """Raise on every rank if any rank of the step failed or ranks disagree; else a no-op.
 
-        The failing rank raises its own error, with a note that its peers were
-        told; the others raise :class:`StepError` naming the failing ranks and
-        what each had. Off the GPU the answer is at hand. On a GPU the error
-        block is copied to pinned host memory after the all-reduce; ``wait``
-        waits for that copy, else an unfinished copy stays pending and is
-        looked at by the next step or ``update()`` (never a host sync).
+        See [Note: errors that reach every rank] in ``_step_errors``. Off the
+        GPU the answer is at hand. On a GPU ``wait`` waits for the error
+        blocks' copy, else an unfinished copy stays pending and is looked at
+        by the next step or ``update()`` (never a host sync).
         """
         if self._raised:
             return
-        codes = self._codes_now(wait=wait)
-        if codes is None and self.local_error is None:
-            return  # still on its way: stays in _pending
-        if self in _pending:
-            _pending.remove(self)
-        w = self.world_size
-        failing = tuple(r for r, code in enumerate((codes or [])[:w]) if code)
-        prints = (codes or [])[w:]
-        if prints and len(set(prints)) > 1 and self.local_error is None:
-            self._raised = True
-            _raise_chain_mismatch(self.chain, self.group, w)
-        if self.local_error is None and not failing:
-            return
-        self._raised = True
-        kinds = {r: _ERROR_KINDS.get(int((codes or [])[r]), "an error") for r in failing}
-        if self.local_error is not None:
-            others = [r for r in failing if r != self.rank]
-            self.local_error.add_note(
-                "shardscale: this rank still joined the step's all-reduce, so every rank of the "
-                "reduction group raised too"
-                + (f" (other failing ranks: {others})" if others else "")
+        blocks = self._errors.read(wait=wait) if self._errors is not None else None
+        if blocks is None and self.local_error is None:
+            return  # still on its way: stays pending
+        drop_pending(self)
+        try:
+            raise_step_errors(
+                blocks,
+                rank=self.rank,
+                local_error=self.local_error,
+                chain=self.chain,
+                group=self.group,
+                declarations=self.declarations,
             )
-            raise self.local_error
-        listing = "; ".join(f"rank {r}: {k}" for r, k in kinds.items())
-        raise StepError(
-            f"rank(s) {list(failing)} of the reduction group failed in this step ({listing}); "
-            "this rank stops with them instead of waiting for a timeout. The failing rank's own "
-            "error says what to fix.",
-            ranks=failing,
-            kinds=kinds,
-        )
+        except BaseException:
+            self._raised = True
+            raise
 
     def nonfinite_ranks(self) -> tuple[int, ...]:
         """Group ranks that held a non-finite gradient (a host read of the vector)."""
-        w = self.world_size
-        counts = self.vector[2 * w : 3 * w].cpu()
+        counts = self.vector[self.layout.block("nonfinite")].cpu()
         return tuple(int(r) for r in torch.nonzero(counts > 0).flatten())
 
 
@@ -320,158 +357,153 @@ def read_tensor_norm(tensor: torch.Tensor, norm_type: float, config: StepConfig)
     return _tensor_norms(kernels, [tensor], norm_type)[0]
 
 
-def _tensor_norms(kernels: Any, tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
-    """Per-tensor p-norms, 1-D, overflow-safe (see [Note: per-tensor norms without overflow])."""
-    if getattr(kernels, "overflow_safe_norms", False) is True:
-        # The kernels normalise inside their one read (StatsKernels' optional attribute).
-        safe: torch.Tensor = kernels.tensor_norms(tensors, p)
-        return safe
-    if p in (1.0, 2.0) or math.isinf(p):
-        if any(t.dtype is torch.float64 for t in tensors) and p == 2.0:
-            return _normalised_norms(kernels, tensors, p)
-        norms: torch.Tensor = kernels.tensor_norms(tensors, p)
-        return norms
-    return _normalised_norms(kernels, tensors, p)
+# -- the step ------------------------------------------------------------------------------------
 
 
-def _normalised_norms(kernels: Any, tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
-    # a_t·‖g_t/a_t‖_p: every |element/a_t| ≤ 1, so no power can overflow (a second read).
-    peaks: torch.Tensor = kernels.tensor_norms(tensors, math.inf)
-    safe = torch.where((peaks > 0) & torch.isfinite(peaks), peaks, torch.ones_like(peaks))
-    # Divide in the accumulation precision: a bf16 quotient would cost the norm 3 digits.
-    scaled = [t.to(peaks.dtype) / s for t, s in zip(tensors, safe.unbind(), strict=True)]
-    inner: torch.Tensor = kernels.tensor_norms(scaled, p)
-    # Non-finite (or all-zero) tensors keep their peak, which already says so.
-    ok = (peaks > 0) & torch.isfinite(peaks)
-    return torch.where(ok, inner.to(peaks.dtype) * peaks, peaks)
+def run_step(
+    items: Iterable[torch.Tensor],
+    config: StepConfig,
+    *,
+    apply: Apply,
+    norm_type: float | None = None,
+    max_norm: float = math.inf,
+    scale: torch.Tensor | None = None,
+    as_grads: bool = False,
+    precomputed: PrecomputedNorms | None = None,
+    scale_device_type: str | None = None,
+    defer_errors: bool = False,
+    unscale_by: torch.Tensor | None = None,
+    nonfinite_error: BaseException | None = None,
+    lazy: bool = False,
+    refusal: BaseException | None = None,
+) -> StepResult:
+    """Collect, check, read, reduce once, decide and apply (see [Note: one step, top to bottom]).
 
+    Args:
+        items: parameters (their ``.grad`` is used), or gradients with ``as_grads``.
+        config: backend, group, registry, kernels and declarations.
+        apply: what to do with the gradients after the decision (:class:`Apply`).
+        norm_type: the p of the norm (any p > 0 or inf); ``None`` for no norm.
+        max_norm: clip limit (> 0); ``inf`` clips nothing.
+        scale: the loss scale the gradients still carry (``None``: not scaled).
+            Results then live on its device, else on the first gradient's.
+        precomputed: per-tensor norms already read (``StreamingStats``).
+        scale_device_type: the scaler's device type, for error messages.
+        defer_errors: return instead of raising when a rank failed, so the
+            caller can record what happened first; it must then call
+            :meth:`StepResult.raise_errors`.
+        nonfinite_error: raise this on every rank, before anything is
+            applied, when any rank holds a non-finite gradient (a host read:
+            ``error_if_nonfinite`` of the clip functions).
+        lazy: only issue the all-reduce; the decision is made when the
+            result's :meth:`StepResult.wait` is first called. For steps that
+            apply nothing afterwards (the scaler's ``unscale_`` and fused
+            check), so that a middleware like ``coalescing`` can merge the
+            reductions of several optimizers into one collective.
+        unscale_by: with ``Apply.UNSCALE``, the factor to multiply by instead
+            of 1/scale (torch's private ``_unscale_grads_`` takes one).
+        refusal: an error the caller found before the step (a declaration
+            that does not fit); recorded by the check stage like its own, so
+            it reaches every rank and nothing changes.
 
-# -- the backend-chain check ---------------------------------------------------------------------
-
-
-def _fingerprint(chain: str) -> float:
-    return float(zlib.crc32(chain.encode()) & 0xFFFFFF)  # exact in float32 and float64
-
-
-def _chain_names(backend: CollectiveBackend) -> str:
-    names = []
-    node: Any = backend
-    while node is not None:
-        names.append(str(getattr(node, "name", type(node).__name__)))
-        node = getattr(node, "inner", None)
-    return "+".join(names)
-
-
-def _verify_same_chain(config: StepConfig, device: torch.device) -> None:
-    """Every rank must use the same backend chain: checked beside the chain.
-
-    Different chains can issue different collectives and deadlock before the
-    step's own fingerprint check could run, so this exchange goes straight
-    through torch.distributed. Only when ``StepConfig.verify_chain`` asks.
+    Every rank of ``config.group`` must call this the same number of times
+    with the same ``apply``/``norm_type``: it joins one all-reduce.
     """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    backend, group = config.backend, config.group
-    world = backend.world_size(group)
-    if world <= 1:
-        return
-    chain = _chain_names(backend)
-    mine = _fingerprint(chain)
-    vec = torch.zeros(world, dtype=torch.float64, device=device)
-    vec[backend.rank(group)] = mine
-    dist.all_reduce(vec, group=group)
-    if all(v == mine for v in vec.tolist()):  # once per scaler: a host read is fine here
-        return
-    _raise_chain_mismatch(chain, group, world)
-
-
-def _raise_chain_mismatch(chain: str, group: Any, world: int) -> None:
-    import torch.distributed as dist
-
-    chains: list[Any] = [None] * world
-    dist.all_gather_object(chains, chain, group=group)
-    listing = ", ".join(f"rank {r}: {c!r}" for r, c in enumerate(chains))
-    raise ShardscaleError(
-        f"ranks use different collective backend chains ({listing}); every rank of a step must "
-        "use the same chain or their collectives can mismatch and hang. Set the same "
-        "backend= (or $SHARDSCALE_BACKEND) on every rank."
+    request = StepRequest(
+        apply=apply,
+        norm_type=norm_type,
+        max_norm=max_norm,
+        scale=scale,
+        as_grads=as_grads,
+        precomputed=precomputed,
+        scale_device_type=scale_device_type,
+        defer_errors=defer_errors,
+        unscale_by=unscale_by,
+        nonfinite_error=nonfinite_error,
+        lazy=lazy,
+        refusal=refusal,
     )
+    items = list(items)
+    raise_pending_errors(wait=True)
+    with torch.no_grad():
+        local = _collect(items, config, request)
+        _check(local, items, config, request)
+        device = _result_device(request.scale, local.buckets, items, as_grads=request.as_grads)
+        inv_scale = _inv_scale(request)
+        reading = _read(local, request, inv_scale=inv_scale, device=device)
+        result, handle = _reduce(local, reading, config, device=device)
+        result.owners = [
+            (weakref.ref(param), weakref.ref(t)) for param, t in local.buckets.owner_pairs()
+        ]
+
+        def complete() -> None:
+            _wait(handle)
+            _decide(result, local, request, inv_scale=inv_scale)
+            if not request.defer_errors:
+                result.raise_errors(wait=False)
+
+        if request.lazy:
+            result._complete = complete
+            return result
+        complete()
+        if request.nonfinite_error is not None and bool(result.found_inf):
+            raise request.nonfinite_error
+        if local.error is None and not result.failed_now():
+            _apply(local, result, request, inv_scale=inv_scale)
+    return result
 
 
-# -- collect and check ---------------------------------------------------------------------------
+# -- 1. collect ----------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
 class _Local:
+    """This rank's part of a step, filled by the collect and check stages."""
+
     buckets: GradBuckets
+    rank: int
+    world: int
     error: BaseException | None = None
-    code: int = 0
     #: The step's options as the contract read them (harmless values after a refusal).
     norm_type: float | None = None
     max_norm: float = math.inf
     #: The stats kernels of each device holding a local gradient.
     kernels: dict[torch.device, Any] = field(default_factory=dict)
+    #: What this rank declared (see [Note: declarations]).
+    declarations: str = ""
+
+    def record(self, exc: BaseException) -> None:
+        """Keep the first error; the step goes on with nothing to read."""
+        if self.error is None:
+            self.error = exc
+            self.buckets = GradBuckets()
+
+    @property
+    def code(self) -> int:
+        """The error code this rank writes (0: none)."""
+        return 0 if self.error is None else error_code(self.error)
 
 
-def _error_code(exc: BaseException) -> int:
-    from shardscale.core._errors import PluginNotFoundError
-
-    if isinstance(exc, LayoutError):
-        return 1
-    if isinstance(exc, GradientDeviceError):
-        return 2
-    if isinstance(exc, TypeError) and "floating point" in str(exc):
-        return 3
-    if isinstance(exc, PluginNotFoundError):
-        return 4
-    if isinstance(exc, (TypeError, ValueError)):
-        return 5
-    return 6
-
-
-class GradientDeviceError(ShardscaleError, ValueError):
-    """A gradient on a device the step cannot read (meta, or not the scale's device)."""
-
-
-def _collect(
-    items: Iterable[torch.Tensor],
-    config: StepConfig,
-    *,
-    as_grads: bool,
-    scale: torch.Tensor | None,
-    expect_device: str | None,
-    for_norm: bool,
-    norm_type: object,
-    max_norm: object,
-) -> _Local:
+def _collect(items: list[torch.Tensor], config: StepConfig, request: StepRequest) -> _Local:
+    local = _Local(
+        buckets=GradBuckets(),
+        rank=config.backend.rank(config.group),
+        world=config.backend.world_size(config.group),
+    )
     try:
-        # The contract's checks, recorded like any other local error: a rank that alone got a
-        # bad value still joins the all-reduce, and every rank raises, nothing changed.
-        p = check_norm_type(norm_type) if norm_type is not None else None
-        limit = check_max_norm(max_norm)
-        buckets = collect_grads(
+        local.buckets = collect_grads(
             # A norm must see coalesced sparse values; the scaler, like torch's, coalesces fp16 only.
-            _coalesced(items, as_grads=as_grads) if for_norm else items,
+            _coalesced(items, as_grads=request.as_grads)
+            if request.norm_type is not None
+            else items,
             config.adapter_context(),
             config.registry,
             group_ranks=_group_ranks(config),
-            as_grads=as_grads,
+            as_grads=request.as_grads,
         )
-        _check_devices(buckets, scale, expect_device)
-        _check_distinct_dims(buckets, config.distinct_dims)
-        _check_distinct_params(buckets, config.distinct_params)
-        # Resolved here, not while reading: an unknown or unsupported kernels name is refused
-        # before the unscale kernel writes anything, and reaches every rank like any error.
-        kernels = {
-            dev: config.registry.kernels_for(dev, config.kernels) for dev in buckets.devices()
-        }
-        if not as_grads:  # parameters: the step or the optimizer writes their .grad
-            check_no_aliased_grads(buckets)
     except Exception as exc:
-        return _Local(buckets=GradBuckets(), error=exc, code=_error_code(exc))
-    return _Local(buckets=buckets, norm_type=p, max_norm=limit, kernels=kernels)
+        local.record(exc)
+    return local
 
 
 def _group_ranks(config: StepConfig) -> tuple[int, ...] | None:
@@ -496,6 +528,38 @@ def _coalesced(items: Iterable[torch.Tensor], *, as_grads: bool) -> list[torch.T
     return out
 
 
+# -- 2. check ------------------------------------------------------------------------------------
+
+
+def _check(
+    local: _Local, items: list[torch.Tensor], config: StepConfig, request: StepRequest
+) -> None:
+    """Record (never raise) anything that makes this rank's part of the step wrong."""
+    if local.error is not None:
+        return
+    try:
+        if request.refusal is not None:
+            raise request.refusal
+        # The contract's checks: a rank that alone got a bad value still joins the all-reduce.
+        local.norm_type = (
+            check_norm_type(request.norm_type) if request.norm_type is not None else None
+        )
+        local.max_norm = check_max_norm(request.max_norm)
+        _check_devices(local.buckets, request.scale, request.scale_device_type)
+        _check_distinct_dims(local.buckets, config.distinct_dims)
+        _check_distinct_params(local.buckets, items, config.distinct_params)
+        if not request.as_grads:  # parameters: the step or the optimizer writes their .grad
+            check_no_aliased_grads(local.buckets)
+        # Resolved here, not while reading: an unknown or unsupported kernels name is refused
+        # before the unscale kernel writes anything.
+        local.kernels = {
+            dev: config.registry.kernels_for(dev, config.kernels) for dev in local.buckets.devices()
+        }
+        local.declarations = _declarations(local, items, config)
+    except Exception as exc:
+        local.record(exc)
+
+
 def _check_devices(buckets: GradBuckets, scale: torch.Tensor | None, expect: str | None) -> None:
     for device in buckets.devices():
         if device.type == "meta":
@@ -512,22 +576,38 @@ def _check_devices(buckets: GradBuckets, scale: torch.Tensor | None, expect: str
             )
 
 
+_PLAIN = PlainTensorAdapter()
+
+
 def _check_distinct_dims(buckets: GradBuckets, distinct: frozenset[str]) -> None:
-    names = distinct - {"*"}
+    names = distinct - {ALL_RANKS}
     if not names:
         return
     known: set[str] = set()
     seen_mesh = False
+    plain = 0
     for param in buckets.params():
         mesh = getattr(param, "device_mesh", None)
         if mesh is None:
+            plain += _PLAIN.claims(param)
             continue
         seen_mesh = True
         root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
         for m in (mesh, root):
             known.update(n for n in (m.mesh_dim_names or ()) if n)
+    if not seen_mesh and plain:
+        # A mesh dim name cannot describe a plain tensor: it would be ignored, and every plain
+        # tensor counted as a replica (only rank 0's pipeline stage, say).
+        raise DeclarationError(
+            f"distinct_dims names {sorted(names)}, but the {plain} parameter(s) of this step "
+            "with a gradient are plain tensors, which have no device mesh for a mesh dim name "
+            "to describe (it would be ignored and each plain tensor counted as a replica). "
+            "Declare plain tensors instead: distinct_dims=('*',) when every rank holds its own "
+            "(pipeline stages), or distinct_params=[...] with the tensors this rank holds its "
+            "own of (experts) while the others are replicated"
+        )
     if seen_mesh and not names <= known:
-        raise ValueError(
+        raise DeclarationError(
             f"distinct_dims names {sorted(names - known)}, which no mesh of these parameters "
             f"has (their mesh dims: {sorted(known) or 'unnamed'}); name the mesh dims "
             "(init_device_mesh(..., mesh_dim_names=...)) and pass those names, or '*' for "
@@ -535,9 +615,21 @@ def _check_distinct_dims(buckets: GradBuckets, distinct: frozenset[str]) -> None
         )
 
 
-def _check_distinct_params(buckets: GradBuckets, distinct: frozenset[int]) -> None:
+def _check_distinct_params(
+    buckets: GradBuckets, items: Sequence[torch.Tensor], distinct: frozenset[int]
+) -> None:
     if not distinct:
         return
+    strangers = len(distinct - {id(item) for item in items})
+    if strangers:
+        # Matched by id(): a tensor that is not one of the step's would be ignored silently.
+        raise DeclarationError(
+            f"distinct_params holds {strangers} tensor(s) that are not among the "
+            f"{len(items)} tensors of this step (the optimizer's parameters, or those passed "
+            "to the clip call), so they would be ignored. Declare the tensors the optimizer "
+            "holds: after fully_shard/.to()/copying the model, pass the new parameters "
+            "(e.g. list(model.experts.parameters()) taken after the model is ready)"
+        )
     for param in buckets.params():
         if id(param) in distinct and type(param) not in (torch.Tensor, torch.nn.Parameter):
             raise ValueError(
@@ -548,7 +640,33 @@ def _check_distinct_params(buckets: GradBuckets, distinct: frozenset[int]) -> No
             )
 
 
-# -- read ----------------------------------------------------------------------------------------
+def _declarations(local: _Local, items: Sequence[torch.Tensor], config: StepConfig) -> str:
+    """What must agree across the ranks of this step (see [Note: declarations])."""
+    if local.norm_type is None:
+        return "no norm"
+    if local.world <= 1:
+        return "one rank"  # nothing to agree with; spares the walk below
+    replicas: Counter[tuple[tuple[int, ...], torch.dtype]] = Counter()
+    if ALL_RANKS not in config.distinct_dims:
+        distinct = config.distinct_params
+        # The step's tensors, with a gradient or not: a replica may lack one on some rank.
+        for item in items:
+            if id(item) not in distinct and _PLAIN.claims(item):
+                replicas[(tuple(item.shape), item.dtype)] += 1
+    # Sorted: the multiset, not the order the parameters happen to be listed in.
+    listing = ", ".join(
+        sorted(
+            f"{n} x {shape} {str(dtype).removeprefix('torch.')}"
+            for (shape, dtype), n in replicas.items()
+        )
+    )
+    return (
+        f"distinct_dims={sorted(config.distinct_dims)}, norm_type={local.norm_type}, "
+        f"max_norm={local.max_norm}, replicated plain tensors [{listing}]"
+    )
+
+
+# -- 3. read -------------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -558,31 +676,36 @@ class _Reading:
     flags: list[torch.Tensor] = field(default_factory=list)  # unscale kernel's found_inf
 
 
+def _inv_scale(request: StepRequest) -> torch.Tensor | None:
+    if request.unscale_by is not None and request.apply is Apply.UNSCALE:
+        return request.unscale_by.reshape(()).float()
+    scale = request.scale
+    return scale.double().reciprocal().float() if scale is not None else None
+
+
 def _read(
     local: _Local,
-    config: StepConfig,
+    request: StepRequest,
     *,
-    apply: Apply,
-    p: float | None,
     inv_scale: torch.Tensor | None,
-    precomputed: PrecomputedNorms | None,
     device: torch.device,
 ) -> _Reading:
     reading = _Reading()
     if local.error is not None:
         return reading
+    p = local.norm_type
     for (dev, dtype), tensors in local.buckets.every.items():
         if not tensors:
             continue
         kernels = local.kernels[dev]
-        if apply is Apply.UNSCALE:
+        if request.apply is Apply.UNSCALE:
             assert inv_scale is not None
             flag = torch.zeros((), dtype=torch.float32, device=dev)
             kernels.unscale_and_check_(tensors, flag, inv_scale.to(dev, non_blocking=True))
             reading.flags.append(flag.to(device, non_blocking=True))
             continue
         counts = local.buckets.counts_mask[(dev, dtype)]
-        norms = _bucket_norms(kernels, tensors, counts, p, precomputed, device)
+        norms = _bucket_norms(kernels, tensors, counts, p, request.precomputed, device)
         reading.every_norms.append(norms)
         if all(counts):
             reading.counted_norms.append(norms)
@@ -625,150 +748,33 @@ def _bucket_norms(
     return out
 
 
-# -- reduce and decide ---------------------------------------------------------------------------
+def _tensor_norms(kernels: Any, tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
+    """Per-tensor p-norms, 1-D, overflow-safe (see [Note: per-tensor norms without overflow])."""
+    if getattr(kernels, "overflow_safe_norms", False) is True:
+        # The kernels normalise inside their one read (StatsKernels' optional attribute).
+        safe: torch.Tensor = kernels.tensor_norms(tensors, p)
+        return safe
+    if p in (1.0, 2.0) or math.isinf(p):
+        if any(t.dtype is torch.float64 for t in tensors) and p == 2.0:
+            return _normalised_norms(kernels, tensors, p)
+        norms: torch.Tensor = kernels.tensor_norms(tensors, p)
+        return norms
+    return _normalised_norms(kernels, tensors, p)
 
 
-def run_step(
-    items: Iterable[torch.Tensor],
-    config: StepConfig,
-    *,
-    apply: Apply,
-    norm_type: float | None = None,
-    max_norm: float = math.inf,
-    scale: torch.Tensor | None = None,
-    as_grads: bool = False,
-    precomputed: PrecomputedNorms | None = None,
-    scale_device_type: str | None = None,
-    defer_errors: bool = False,
-    unscale_by: torch.Tensor | None = None,
-    nonfinite_error: BaseException | None = None,
-    lazy: bool = False,
-) -> StepResult:
-    """Collect, check, read, reduce once, decide and apply (see [Note: one step, top to bottom]).
+def _normalised_norms(kernels: Any, tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
+    # a_t·‖g_t/a_t‖_p: every |element/a_t| ≤ 1, so no power can overflow (a second read).
+    peaks: torch.Tensor = kernels.tensor_norms(tensors, math.inf)
+    safe = torch.where((peaks > 0) & torch.isfinite(peaks), peaks, torch.ones_like(peaks))
+    # Divide in the accumulation precision: a bf16 quotient would cost the norm 3 digits.
+    scaled = [t.to(peaks.dtype) / s for t, s in zip(tensors, safe.unbind(), strict=True)]
+    inner: torch.Tensor = kernels.tensor_norms(scaled, p)
+    # Non-finite (or all-zero) tensors keep their peak, which already says so.
+    ok = (peaks > 0) & torch.isfinite(peaks)
+    return torch.where(ok, inner.to(peaks.dtype) * peaks, peaks)
 
-    Args:
-        items: parameters (their ``.grad`` is used), or gradients with ``as_grads``.
-        config: backend, group, registry, kernels and distinct dims.
-        apply: what to do with the gradients after the decision (:class:`Apply`).
-        norm_type: the p of the norm (any p > 0 or inf); ``None`` for no norm.
-        max_norm: clip limit; ``inf`` clips nothing.
-        scale: the loss scale the gradients still carry (``None``: not scaled).
-            Results then live on its device, else on the first gradient's.
-        precomputed: per-tensor norms already read (``StreamingStats``).
-        scale_device_type: the scaler's device type, for error messages.
-        defer_errors: return instead of raising when a rank failed, so the
-            caller can record what happened first; it must then call
-            :meth:`StepResult.raise_errors`.
-        nonfinite_error: raise this on every rank, before anything is
-            applied, when any rank holds a non-finite gradient (a host read:
-            ``error_if_nonfinite`` of the clip functions).
-        lazy: only issue the all-reduce; the decision is made when the
-            result's :meth:`StepResult.wait` is first called. For steps that
-            apply nothing afterwards (the scaler's ``unscale_`` and fused
-            check), so that a middleware like ``coalescing`` can merge the
-            reductions of several optimizers into one collective.
-        unscale_by: with ``Apply.UNSCALE``, the factor to multiply by instead
-            of 1/scale (torch's private ``_unscale_grads_`` takes one).
 
-    Every rank of ``config.group`` must call this the same number of times
-    with the same ``apply``/``norm_type``: it joins one all-reduce.
-    """
-    if apply in (Apply.UNSCALE, Apply.FUSED) and scale is None:
-        raise ValueError(f"Apply.{apply.name} needs the scale the gradients carry")
-    items = list(items)
-    _raise_pending_errors(wait=True)
-    with torch.no_grad():
-        local = _collect(
-            items,
-            config,
-            as_grads=as_grads,
-            scale=scale,
-            expect_device=scale_device_type,
-            for_norm=norm_type is not None,
-            norm_type=norm_type,
-            max_norm=max_norm,
-        )
-        norm_type, max_norm = local.norm_type, local.max_norm
-        device = _result_device(scale, local.buckets, items, as_grads=as_grads)
-        inv_scale = scale.double().reciprocal().float() if scale is not None else None
-        if unscale_by is not None and apply is Apply.UNSCALE:
-            inv_scale = unscale_by.reshape(()).float()
-        reading = _read(
-            local,
-            config,
-            apply=apply,
-            p=norm_type,
-            inv_scale=inv_scale,
-            precomputed=precomputed,
-            device=device,
-        )
-        if config.verify_chain:
-            _verify_same_chain(config, device)
-        world = config.backend.world_size(config.group)
-        rank = config.backend.rank(config.group)
-        chain = _chain_names(config.backend)
-        vec, finite = _local_vector(
-            reading,
-            local,
-            p=norm_type,
-            rank=rank,
-            world=world,
-            device=device,
-            fingerprint=_fingerprint(chain),
-        )
-        handle = _issue(vec, config)
-        result = StepResult(
-            found_inf=torch.zeros((), dtype=torch.float32, device=device),
-            norm=None,
-            coef=torch.ones((), dtype=torch.float32, device=device),
-            grad_scale=None,
-            device=device,
-            vector=vec,
-            world_size=world,
-            rank=rank,
-            local_error=local.error,
-            chain=chain,
-            group=config.group,
-            finite=finite,
-        )
-        result.owners = [
-            (weakref.ref(param), weakref.ref(t)) for param, t in local.buckets.owner_pairs()
-        ]
-
-        def complete() -> None:
-            _wait(handle)
-            decided = _decide(
-                vec,
-                world=world,
-                p=norm_type,
-                max_norm=max_norm,
-                scale=scale,
-                inv_scale=inv_scale,
-                apply=apply,
-                device=device,
-                f64=any(dtype is torch.float64 for _, dtype in local.buckets.every),
-            )
-            result.found_inf.copy_(decided.found_inf)
-            result.norm, result.coef, result.grad_scale = (
-                decided.norm,
-                decided.coef,
-                decided.grad_scale,
-            )
-            result._start_error_read()
-            if not defer_errors:
-                result.raise_errors(wait=False)
-
-        if lazy:
-            if norm_type is not None or apply not in (Apply.UNSCALE, Apply.NOTHING):
-                raise ValueError("lazy=True is for steps that apply nothing after the decision")
-            result._complete = complete
-            return result
-        complete()
-        if nonfinite_error is not None and bool(result.found_inf):
-            raise nonfinite_error
-        if local.error is None and not result.failed_now():
-            _apply(local.buckets, result, apply, config, max_norm=max_norm, inv_scale=inv_scale)
-    return result
+# -- 4. reduce -----------------------------------------------------------------------------------
 
 
 def _result_device(
@@ -792,26 +798,47 @@ def _result_device(
     return torch.device("cpu")
 
 
+def _reduce(
+    local: _Local, reading: _Reading, config: StepConfig, *, device: torch.device
+) -> tuple[StepResult, Handle]:
+    """Fill this rank's slots of the vector and issue the step's one all-reduce."""
+    if config.verify_chain:
+        verify_same_chain(config.backend, config.group, device)
+    chain = chain_names(config.backend)
+    vec, finite = _local_vector(reading, local, device=device, chain=chain)
+    handle = _issue(vec, config)
+    result = StepResult(
+        found_inf=torch.zeros((), dtype=torch.float32, device=device),
+        norm=None,
+        coef=torch.ones((), dtype=torch.float32, device=device),
+        grad_scale=None,
+        device=device,
+        vector=vec,
+        world_size=local.world,
+        rank=local.rank,
+        local_error=local.error,
+        chain=chain,
+        group=config.group,
+        declarations=local.declarations,
+        finite=finite,
+    )
+    return result, handle
+
+
 def _local_vector(
-    reading: _Reading,
-    local: _Local,
-    *,
-    p: float | None,
-    rank: int,
-    world: int,
-    device: torch.device,
-    fingerprint: float,
+    reading: _Reading, local: _Local, *, device: torch.device, chain: str
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's slots of the step's vector, and which local tensors read finite."""
-    vec = torch.zeros(5 * world + 1, dtype=torch.float64, device=device)
+    layout, rank, p = VectorLayout(local.world), local.rank, local.norm_type
+    vec = torch.zeros(layout.size, dtype=torch.float64, device=device)
     if reading.counted_norms and p is not None:
         n = torch.cat(reading.counted_norms)
         n = torch.where(torch.isfinite(n), n, torch.zeros_like(n))
         peak = n.max()
-        vec[rank] = peak
+        vec[layout.slot("peak", rank)] = peak
         if not math.isinf(p):
             ratio = n / torch.where(peak > 0, peak, torch.ones_like(peak))
-            vec[world + rank] = ratio.pow(p).sum()
+            vec[layout.slot("scaled_sum", rank)] = ratio.pow(p).sum()
     nonfinite = torch.zeros((), dtype=torch.float64, device=device)
     nan = torch.zeros((), dtype=torch.float64, device=device)
     finite = None
@@ -822,10 +849,11 @@ def _local_vector(
         nan = nan + torch.isnan(every).sum()
     for flag in reading.flags:
         nonfinite = nonfinite + (flag > 0).to(torch.float64)
-    vec[2 * world + rank] = nonfinite
-    vec[3 * world + rank] = float(local.code)
-    vec[4 * world + rank] = fingerprint
-    vec[5 * world] = nan
+    vec[layout.slot("nonfinite", rank)] = nonfinite
+    vec[layout.slot("error", rank)] = float(local.code)
+    vec[layout.slot("chain", rank)] = fingerprint(chain)
+    vec[layout.slot("declarations", rank)] = fingerprint(local.declarations)
+    vec[layout.shared("nan")] = nan
     return vec, finite
 
 
@@ -853,103 +881,63 @@ def _wait(handle: Handle) -> None:
         raise
 
 
+# -- 5. decide -----------------------------------------------------------------------------------
+
+
 def _decide(
-    vec: torch.Tensor,
-    *,
-    world: int,
-    p: float | None,
-    max_norm: float,
-    scale: torch.Tensor | None,
-    inv_scale: torch.Tensor | None,
-    apply: Apply,
-    device: torch.device,
-    f64: bool,
-) -> StepResult:
-    w = world
-    bad = vec[2 * w : 4 * w].sum() > 0  # a non-finite gradient or an error, on any rank
-    found_inf = bad.to(torch.float32)
-    norm = None
-    coef = torch.ones((), dtype=torch.float32, device=device)
+    result: StepResult, local: _Local, request: StepRequest, *, inv_scale: torch.Tensor | None
+) -> None:
+    """found_inf, norm, coef and grad_scale from the reduced vector, identical on every rank."""
+    vec, layout = result.vector, result.layout
+    p, max_norm, scale = local.norm_type, local.max_norm, request.scale
+    # A non-finite gradient, an error or a disagreement on any rank: nothing is stepped on.
+    bad = (vec[layout.block("nonfinite")].sum() + vec[layout.block("error")].sum()) > 0
+    for name in ("chain", "declarations"):
+        prints = vec[layout.block(name)]
+        bad = bad | (prints.amax() != prints.amin())
+    result.found_inf.copy_(bad.to(torch.float32))
     if p is not None:
-        peaks = vec[:w]
+        peaks = vec[layout.block("peak")]
         top = peaks.max()
         if math.isinf(p):
             value = top
         else:
             safe_top = torch.where(top > 0, top, torch.ones_like(top))
-            total = (vec[w : 2 * w] * (peaks / safe_top).pow(p)).sum()
+            total = (vec[layout.block("scaled_sum")] * (peaks / safe_top).pow(p)).sum()
             value = top * total.pow(1.0 / p)
         if inv_scale is not None:
             value = value * inv_scale.to(torch.float64)
         # float64 when this rank reads float64 gradients, as torch; decided locally (no host
         # read of the vector), so ranks agree whenever they hold the same parameter dtypes.
+        f64 = any(dtype is torch.float64 for _, dtype in local.buckets.every)
         dtype = torch.float64 if f64 else torch.float32
-        nonfinite = torch.where(vec[5 * w] > 0, math.nan, math.inf).to(value.dtype)
-        norm = torch.where(bad, nonfinite, value).to(dtype)
+        nonfinite = torch.where(vec[layout.shared("nan")] > 0, math.nan, math.inf)
+        result.norm = torch.where(bad, nonfinite.to(value.dtype), value).to(dtype)
         if not math.isinf(max_norm):
-            clip = (max_norm / (norm.to(torch.float64) + EPS)).clamp(max=1.0)
+            clip = (max_norm / (result.norm.to(torch.float64) + EPS)).clamp(max=1.0)
             if scale is not None:
                 # With a scaler an overflow step is skipped: leave the grads as unscale_ would.
                 clip = torch.where(bad, torch.ones_like(clip), clip)
-            coef = clip.to(torch.float32)
-    grad_scale = None
-    if apply is Apply.FUSED:
+            result.coef = clip.to(torch.float32)
+    if request.apply is Apply.FUSED:
         assert scale is not None
-        grad_scale = scale / coef.to(scale.device)
-    return StepResult(
-        found_inf=found_inf,
-        norm=norm,
-        coef=coef,
-        grad_scale=grad_scale,
-        device=device,
-        vector=vec,
-        world_size=w,
-    )
+        result.grad_scale = scale / result.coef.to(scale.device)
+    result._errors = ErrorBlocks(vec, layout)
+    if result._errors.on_device:
+        add_pending(result)
 
 
-# -- apply ---------------------------------------------------------------------------------------
+# -- 6. apply ------------------------------------------------------------------------------------
 
 
 def _apply(
-    buckets: GradBuckets,
-    result: StepResult,
-    apply: Apply,
-    config: StepConfig,
-    *,
-    max_norm: float,
-    inv_scale: torch.Tensor | None,
+    local: _Local, result: StepResult, request: StepRequest, *, inv_scale: torch.Tensor | None
 ) -> None:
-    if apply is not Apply.MULTIPLY:
+    if request.apply is not Apply.MULTIPLY:
         return
-    if inv_scale is None and math.isinf(max_norm):
+    if inv_scale is None and math.isinf(local.max_norm):
         return  # nothing to unscale, nothing to clip
     factor = result.coef if inv_scale is None else result.coef * inv_scale.to(result.coef.device)
-    for (dev, _dtype), tensors in buckets.every.items():
+    for (dev, _dtype), tensors in local.buckets.every.items():
         if tensors:
-            kernels = config.registry.kernels_for(dev, config.kernels)
-            kernels.mul_(tensors, factor.to(dev, non_blocking=True))
-
-
-# -- errors that reach every rank ----------------------------------------------------------------
-
-#: Accelerator steps whose error block is still being copied to the host.
-_pending: list[StepResult] = []
-
-
-def _raise_pending_errors(*, wait: bool) -> None:
-    """Raise a failure recorded by an earlier accelerator step (see ``StepResult.raise_errors``)."""
-    while _pending:
-        result = _pending[0]
-        if not wait and result._event is not None and not result._event.query():
-            return
-        _pending.pop(0)
-        result.raise_errors(wait=True)
-
-
-def poll_errors() -> None:
-    """Raise now if an earlier step on an accelerator recorded an error and its copy arrived.
-
-    Never waits: called by ``ShardedGradScaler.update()`` so that a failure on
-    another rank surfaces within the iteration without a host sync.
-    """
-    _raise_pending_errors(wait=False)
+            local.kernels[dev].mul_(tensors, factor.to(dev, non_blocking=True))

@@ -1,0 +1,59 @@
+"""The layout of the step's reduced vector: its blocks named once, never as offsets.
+
+See [Note: the reduced vector] in ``_step_engine``: with W ranks each
+per-rank block is W float64 values (rank r writes slot r, every other rank
+writes 0 there, so a SUM all-reduce is exact), followed by values every rank
+adds to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+__all__ = ["VectorLayout"]
+
+
+@dataclass(frozen=True, slots=True)
+class VectorLayout:
+    """Where each block of a W-rank step vector lives."""
+
+    world: int
+
+    #: One slot per rank, in this order.
+    PER_RANK: ClassVar[tuple[str, ...]] = (
+        "peak",  # M: max over its counted tensors of the tensor's p-norm (finite ones)
+        "scaled_sum",  # S: sum_t (n_t / M_r)^p over the same tensors, each term <= 1
+        "nonfinite",  # how many of its local gradients hold inf/nan, counted or not
+        "error",  # an error code (0: none; see _step_errors.ERROR_KINDS)
+        "chain",  # 24-bit fingerprint of its backend chain's names
+        "declarations",  # 24-bit fingerprint of what must agree (see [Note: declarations])
+    )
+    #: One value every rank adds to.
+    SHARED: ClassVar[tuple[str, ...]] = ("nan",)  # how many local gradients hold nan
+    #: The blocks read on the host after the reduction (contiguous: one copy).
+    HOST_READ: ClassVar[tuple[str, ...]] = ("error", "chain", "declarations")
+
+    @property
+    def size(self) -> int:
+        """How many float64 values the vector holds."""
+        return len(self.PER_RANK) * self.world + len(self.SHARED)
+
+    def block(self, name: str) -> slice:
+        """The W slots of a per-rank block."""
+        start = self.PER_RANK.index(name) * self.world
+        return slice(start, start + self.world)
+
+    def slot(self, name: str, rank: int) -> int:
+        """Rank ``rank``'s slot of a per-rank block."""
+        return self.PER_RANK.index(name) * self.world + rank
+
+    def shared(self, name: str) -> int:
+        """The index of a shared value."""
+        return len(self.PER_RANK) * self.world + self.SHARED.index(name)
+
+    def host_read(self) -> slice:
+        """The span of :attr:`HOST_READ`, in that order."""
+        first, last = self.block(self.HOST_READ[0]), self.block(self.HOST_READ[-1])
+        assert last.stop - first.start == len(self.HOST_READ) * self.world  # contiguous
+        return slice(first.start, last.stop)
