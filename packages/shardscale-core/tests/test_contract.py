@@ -149,7 +149,7 @@ def _grads(dtype: torch.dtype) -> list[torch.nn.Parameter]:
 
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, math.inf])
 @pytest.mark.parametrize("max_norm", [0.5, math.inf])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
 @pytest.mark.parametrize("enabled", [True, False])
 def test_scaler_clip_grad_norm_is_torch_on_one_process(
     norm_type: float, max_norm: float, dtype: torch.dtype, enabled: bool

@@ -21,10 +21,12 @@ from shardscale.core import (
     StepConfig,
     check_distinct_dims,
     check_error_if_nonfinite,
+    clip_parameters_,
     distinct_param_ids,
     get_registry,
     kernels_name,
     nonfinite_norm_error,
+    norm_dtype,
     run_step,
 )
 
@@ -67,35 +69,6 @@ def _config(
         distinct_dims=check_distinct_dims(distinct_dims),
         distinct_params=distinct_param_ids(distinct_params),
     )
-
-
-def _norm_dtype(grads: list[torch.Tensor]) -> torch.dtype:
-    """The dtype torch returns the norm in: the promotion of the gradients' dtypes.
-
-    torch stacks the per-tensor norms (which promotes) and FSDP1 reduces
-    ``torch.promote_types`` over the local gradients; with no gradient both
-    return the default dtype. The engine computes in float32/float64 (see
-    docs/migration.md); only the returned value is cast.
-    """
-    dtype: torch.dtype | None = None
-    for g in grads:
-        dtype = g.dtype if dtype is None else torch.promote_types(dtype, g.dtype)
-    return dtype if dtype is not None else torch.get_default_dtype()
-
-
-def _warn_if_no_grads(items: list[torch.Tensor]) -> None:
-    # FSDP1's clip_grad_norm_ warns in these words: a rank without gradients still joins the
-    # reduction, and its result's dtype cannot follow gradients it does not have.
-    if items and all(getattr(p, "grad", None) is None for p in items):
-        import torch.distributed as dist
-
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        warnings.warn(
-            f"Called clip_grad_norm_() on rank {rank} with no gradients -- returning the total "
-            f"norm in the default dtype {torch.get_default_dtype()} (this rank still joins the "
-            "reduction: the value is the global norm of the other ranks' gradients)",
-            stacklevel=3,
-        )
 
 
 def get_total_norm(
@@ -171,7 +144,7 @@ def get_total_norm(
         nonfinite_error=nonfinite,
     )
     assert result.norm is not None
-    return result.norm.to(_norm_dtype(items))
+    return result.norm.to(norm_dtype(items))
 
 
 def clip_grad_norm_(
@@ -201,9 +174,6 @@ def clip_grad_norm_(
     ``error_if_nonfinite`` a non-finite gradient on *any* rank, counted in
     the norm or not, makes every rank raise before any gradient changes.
     """
-    nonfinite = (
-        nonfinite_norm_error(norm_type) if check_error_if_nonfinite(error_if_nonfinite) else None
-    )
     params = _as_list(parameters, "parameters")
     config = _config(
         foreach=foreach,
@@ -214,14 +184,10 @@ def clip_grad_norm_(
         kernels=kernels,
         registry=registry,
     )
-    result = run_step(
+    return clip_parameters_(
         params,
         config,
-        apply=Apply.MULTIPLY,
-        norm_type=norm_type,
         max_norm=max_norm,
-        nonfinite_error=nonfinite,
+        norm_type=norm_type,
+        error_if_nonfinite=error_if_nonfinite,
     )
-    assert result.norm is not None
-    _warn_if_no_grads(params)
-    return result.norm.to(_norm_dtype([p.grad for p in params if p.grad is not None]))

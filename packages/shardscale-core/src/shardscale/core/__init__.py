@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from shardscale.core._aliasing import AliasedGradientError
 from shardscale.core._blas_kernels import BlasDotKernels
+from shardscale.core._clipping import clip_parameters_, norm_dtype
 from shardscale.core._contract import (
     check_distinct_dims,
     check_error_if_nonfinite,
@@ -120,6 +121,8 @@ __all__ = [
     "step_and_flag",
     # the step engine every caller goes through
     "run_step",
+    "clip_parameters_",
+    "norm_dtype",
     "StepConfig",
     "StepRequest",
     "StepResult",

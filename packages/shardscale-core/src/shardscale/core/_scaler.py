@@ -34,15 +34,14 @@ from typing import TYPE_CHECKING, Any, overload
 import torch
 from torch.amp.grad_scaler import OptState
 
+from shardscale.core._clipping import clip_parameters_
 from shardscale.core._contract import (
     check_distinct_dims,
-    check_error_if_nonfinite,
     check_kernels,
     check_max_norm,
     check_norm_type,
     distinct_param_ids,
     kernels_name,
-    nonfinite_norm_error,
 )
 from shardscale.core._errors import DeclarationError
 from shardscale.core._gradients import optimizer_params
@@ -596,16 +595,12 @@ class ShardedGradScaler:
             foreach: None: this scaler's kernels; True/False: the ``foreach``/``loop`` kernels.
 
         Returns:
-            The global norm, a 0-dim tensor identical on every rank (float64 if
-            any gradient is float64, else float32). Options are checked by
-            ``shardscale.core``'s contract before anything changes.
+            The global norm, a 0-dim tensor identical on every rank, in torch's
+            dtype (the promotion of the gradients' dtypes; computed in float32 or
+            float64). Options are checked by ``shardscale.core``'s contract
+            before anything changes.
         """
         items = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        nonfinite = (
-            nonfinite_norm_error(norm_type)
-            if check_error_if_nonfinite(error_if_nonfinite)
-            else None
-        )
         config = self.step_config
         ids = {id(p) for p in items}
         config = dataclasses.replace(
@@ -614,17 +609,15 @@ class ShardedGradScaler:
             # Declared parameters outside this call are another call's business.
             distinct_params=frozenset(i for i in config.distinct_params if i in ids),
         )
-        result = run_step(
+        norm = clip_parameters_(
             items,
             config,
-            apply=Apply.MULTIPLY,
-            norm_type=norm_type,
             max_norm=max_norm,
-            nonfinite_error=nonfinite,
+            norm_type=norm_type,
+            error_if_nonfinite=error_if_nonfinite,
         )
-        assert result.norm is not None
-        self._last_grad_norm = result.norm
-        return result.norm
+        self._last_grad_norm = norm
+        return norm
 
     def _unscale_grads_(
         self,
