@@ -318,7 +318,9 @@ class ShardscalePrecision(FSDPPrecision):
             return  # already clipped with the Trainer's value in this step
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             self._ensure_unscaled(optimizer)
-            torch.nn.utils.clip_grad_value_(self._params_with_grad(optimizer), clip_val)
+            torch.nn.utils.clip_grad_value_(
+                [p for p in optimizer_params(optimizer) if p.grad is not None], clip_val
+            )
         elif gradient_clip_algorithm == GradClipAlgorithmType.NORM:
             self.clip_grad_by_norm(optimizer, clip_val)
 
@@ -338,9 +340,11 @@ class ShardscalePrecision(FSDPPrecision):
             it.mark_unscaled(optimizer)
         elif scaler is not None:
             # Already unscaled (or scaling off): clip with the scaler's whole configuration.
-            norm = scaler.clip_grad_norm_(self._params_with_grad(optimizer), float(clip_val))
+            # Every parameter, not only those with a gradient here: the ranks' declarations
+            # are compared, and a rank may lack a gradient its peers have.
+            norm = scaler.clip_grad_norm_(list(optimizer_params(optimizer)), float(clip_val))
         else:
-            norm = clip_grad_norm_(self._params_with_grad(optimizer), float(clip_val))
+            norm = clip_grad_norm_(list(optimizer_params(optimizer)), float(clip_val))
         self._norms.append(norm)
         self._clipped.add(id(optimizer))
 
@@ -351,10 +355,6 @@ class ShardscalePrecision(FSDPPrecision):
         if it.has_stepped(optimizer):
             self._end_iteration()
         it.unscale_(optimizer)
-
-    @staticmethod
-    def _params_with_grad(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        return [p for p in optimizer_params(optimizer) if p.grad is not None]
 
     # -- skip signal and logging -------------------------------------------------------------
 
