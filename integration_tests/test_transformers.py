@@ -278,3 +278,58 @@ def test_trainer_without_shardscale_fails_the_same_checks(pool2: Pool, tmp_path:
     # The checkpoint holds rank 0's scale only: rank 1 resumes from a scale it never had.
     assert r1["saved_scaler"]["scale"] == r0["scale"] != r1["scale"]
     assert r1["resumed"]["rows"][0]["scale_before"] != r1["scale"]
+
+
+# -- TRL's SFTTrainer: the same line, the same checks ------------------------------------------
+
+
+def _tokenizer() -> Any:
+    """A word-level tokenizer made here with ``tokenizers`` (nothing downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(VOCAB - 3)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def _sft_case(kind: str, out: str) -> dict[str, Any]:
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    _launch_env()
+    g = torch.Generator().manual_seed(11)
+    texts = [
+        " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 3, (SEQ - 1,), generator=g))
+        for _ in range(64)
+    ]
+    config = SFTConfig(
+        **{k: v for k, v in _args(out, steps=STEPS, save=False).to_dict().items()
+           if k in {"output_dir", "use_cpu", "fp16", "max_steps", "per_device_train_batch_size",
+                    "learning_rate", "lr_scheduler_type", "warmup_steps", "max_grad_norm", "optim",
+                    "logging_steps", "report_to", "disable_tqdm", "save_strategy", "seed",
+                    "dataloader_num_workers", "ddp_backend", "ddp_find_unused_parameters"}},
+        max_length=SEQ, packing=False, dataset_num_proc=None,
+    )  # fmt: skip
+    trainer = _injecting(SFTTrainer)(
+        model=_model(), args=config, train_dataset=Dataset.from_dict({"text": texts}),
+        processing_class=_tokenizer(),
+    )  # fmt: skip
+    trainer.rows = []
+    _hold(trainer, kind, INIT_SCALE)
+    trainer.train()
+    return _summary(trainer)
+
+
+def test_trl_sft_trainer_with_and_without_shardscale(pool2: Pool, tmp_path: Path) -> None:
+    pytest.importorskip("trl")
+    _check_shardscale(pool2.run(_sft_case, "shardscale", str(tmp_path / "ours")))
+    r0, r1 = pool2.run(_sft_case, "torch", str(tmp_path / "torch"))
+    # Without shardscale: the replicas diverge, the scheduler advances on skipped steps, and
+    # nothing records them.
+    assert not all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"], strict=True))
+    assert r0["sched"] == r1["sched"] == STEPS
+    assert r0["record"] is None and "skipped_steps" not in r0["logs"][-1]

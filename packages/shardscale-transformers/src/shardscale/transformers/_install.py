@@ -102,7 +102,8 @@ def use_shardscale(
     """
     if not isinstance(trainer, Trainer):
         raise TypeError(
-            f"use_shardscale takes a transformers.Trainer, got {type(trainer).__name__}"
+            f"use_shardscale takes a transformers.Trainer, got {type(trainer).__name__} "
+            "(for an accelerate.Accelerator, use shardscale.accelerate.use_shardscale)"
         )
     check_transformers(trainer)
     from transformers.utils.import_utils import is_sagemaker_mp_enabled
