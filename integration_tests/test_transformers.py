@@ -102,7 +102,7 @@ def _global_norm(model: torch.nn.Module) -> float:
     return float(torch.nn.utils.get_total_norm(grads, 2.0))
 
 
-def _injecting(base: type) -> type:
+def _injecting(base: type, loss_step: int = LOSS_STEP, grad_step: int = GRAD_STEP) -> type:
     """``base`` (Trainer or a TRL trainer) with the overflows injected and the reference norm read."""
 
     class Injecting(base):  # type: ignore[misc, valid-type]
@@ -110,7 +110,7 @@ def _injecting(base: type) -> type:
 
         def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             out = super().compute_loss(model, inputs, *args, **kwargs)
-            if self.state.global_step == LOSS_STEP and dist.get_rank() == LOSS_RANK:
+            if self.state.global_step == loss_step and dist.get_rank() == LOSS_RANK:
                 if isinstance(out, tuple):
                     return (out[0] * math.inf, *out[1:])
                 return out * math.inf
@@ -119,7 +119,7 @@ def _injecting(base: type) -> type:
         def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             loss = super().training_step(model, inputs, *args, **kwargs)
             step = self.state.global_step  # 0-based index of the optimizer step under way
-            if step == GRAD_STEP and dist.get_rank() == GRAD_RANK:
+            if step == grad_step and dist.get_rank() == GRAD_RANK:
                 with torch.no_grad():
                     next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = (
                         math.inf
@@ -333,3 +333,53 @@ def test_trl_sft_trainer_with_and_without_shardscale(pool2: Pool, tmp_path: Path
     assert not all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"], strict=True))
     assert r0["sched"] == r1["sched"] == STEPS
     assert r0["record"] is None and "skipped_steps" not in r0["logs"][-1]
+
+
+def _grpo_case(out: str) -> dict[str, Any]:
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    _launch_env()
+    prompts = [f"w{i} w{i + 1} w{i + 2}" for i in range(32)]
+    config = GRPOConfig(
+        output_dir=out, use_cpu=True, fp16=True, max_steps=GRPO_STEPS, per_device_train_batch_size=4,
+        num_generations=4, max_completion_length=4, learning_rate=LR, lr_scheduler_type="linear",
+        max_grad_norm=CLIP, optim="adamw_torch_fused", logging_steps=1, report_to="none",
+        disable_tqdm=True, save_strategy="no", seed=0, ddp_backend="gloo",
+        ddp_find_unused_parameters=False,
+    )  # fmt: skip
+
+    def reward(completions: list[str], **kwargs: Any) -> list[float]:
+        return [float(len(c)) for c in completions]
+
+    trainer = _injecting(GRPOTrainer, loss_step=1, grad_step=2)(
+        model=_model(), reward_funcs=reward, args=config,
+        train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=_tokenizer(),
+    )  # fmt: skip
+    trainer.rows = []
+    _hold(trainer, "shardscale", INIT_SCALE)
+    trainer.train()
+    return _summary(trainer)
+
+
+GRPO_STEPS = 4
+
+
+def test_trl_grpo_trainer_generates_on_cpu_and_skips_together(pool2: Pool, tmp_path: Path) -> None:
+    """GRPO generates with the policy itself (no vLLM server): overflows at steps 1 (rank 0's
+    loss) and 2 (rank 1's gradient) are skipped on both ranks, the scheduler holds."""
+    pytest.importorskip("trl")
+    results = pool2.run(_grpo_case, str(tmp_path / "grpo"))
+    numel = sum(p.numel() for p in results[0]["params"])
+    rtol = 4 * norm_rtol(numel, torch.float32, 2.0)
+    for res in results:
+        assert res["record"]["attributes"]["skipped_steps"] == [2, 3]
+        assert res["sched"] == GRPO_STEPS - 2
+        assert [e["loss_scale"] for e in res["logs"]] == [INIT_SCALE, INIT_SCALE / 2] + [
+            INIT_SCALE / 4
+        ] * (GRPO_STEPS - 2)
+        for r, e in zip(res["rows"], res["logs"], strict=True):
+            if e["step"] not in (2, 3):
+                assert e["grad_norm"] == pytest.approx(r["ref_norm"], rel=rtol)
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)
