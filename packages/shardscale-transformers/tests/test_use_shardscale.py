@@ -179,3 +179,18 @@ def test_an_inf_step_is_skipped_held_and_recorded(tmp_path: Path, optim: str) ->
     assert trainer.lr_scheduler.last_epoch == 4
     assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(1e-2 * (1 - 4 / 5))
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+# -- listed and checked by the shardscale command ----------------------------------------------
+
+
+def test_plugins_lists_it_and_doctor_checks_its_transformers() -> None:
+    pytest.importorskip("shardscale.cli")  # the command is another distribution
+    from shardscale.cli._doctor import _integration_checks
+    from shardscale.core import get_registry
+
+    names = {(p.name, p.distribution) for p in get_registry().plugins()}
+    assert ("transformers", "shardscale-transformers") in names
+    (finding,) = [f for f in _integration_checks() if f.check == "shardscale-transformers"]
+    assert finding.status == "ok", finding
+    assert f"with transformers {transformers.__version__}" in finding.detail

@@ -417,7 +417,8 @@ def _guarded(check: str, run: Callable[[], _T], empty: _T, crashes: list[Finding
 
 
 # Trainer integrations: (distribution, the framework it adapts). Checked only when installed.
-_INTEGRATIONS = (("shardscale-lightning", "lightning"), ("shardscale-accelerate", "accelerate"))
+_INTEGRATIONS = (("shardscale-lightning", "lightning"), ("shardscale-accelerate", "accelerate"),
+                 ("shardscale-transformers", "transformers"))  # fmt: skip
 
 
 def _integration_checks() -> Iterator[Finding]:
