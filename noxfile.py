@@ -36,13 +36,16 @@ DISTS = [
     "shardscale-lightning",
     "shardscale-accelerate",
     "shardscale-transformers",
+    "shardscale-torchtitan",
 ]
 # The trainer integrations and the framework releases their tests run (each dist declares a
 # range around its pin). About 16-31 s to install both into a venv that has torch.
 FRAMEWORK_DISTS = ["shardscale-lightning", "shardscale-accelerate", "shardscale-transformers"]
 FRAMEWORKS = ["lightning==2.6.6", "accelerate==1.15.0", "transformers==5.24.0"]
-# Frameworks only the tests install: TRL's trainers run on shardscale-transformers (SFT, GRPO).
-TEST_FRAMEWORKS = ["trl==1.16.0"]
+# Frameworks only the tests install: TRL's trainers run on shardscale-transformers (SFT, GRPO);
+# shardscale-torchtitan's drop-in is compared with torchtitan's own clip_grad_norm_ (it needs
+# datasets<4.8, which pip resolves together with TRL's).
+TEST_FRAMEWORKS = ["trl==1.16.0", "torchtitan==0.3.0"]
 # Extras the tests session installs with their distribution (the observers' own libraries).
 TEST_EXTRAS = {"shardscale-telemetry": "tensorboard,wandb"}
 # numpy: torch's own test-side tools (CommDebugMode, all_gather_object, DCP) import it.
