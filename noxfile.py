@@ -39,7 +39,8 @@ DISTS = [
     "shardscale-torchtitan",
 ]
 # The trainer integrations and the framework releases their tests run (each dist declares a
-# range around its pin). About 16-31 s to install both into a venv that has torch.
+# range around its pin). About 16-31 s to install lightning and accelerate into a venv that has
+# torch (33 s with load average 12); transformers, trl and torchtitan add about 100 s at that load.
 FRAMEWORK_DISTS = ["shardscale-lightning", "shardscale-accelerate", "shardscale-transformers"]
 FRAMEWORKS = ["lightning==2.6.6", "accelerate==1.15.0", "transformers==5.24.0"]
 # Frameworks only the tests install: TRL's trainers run on shardscale-transformers (SFT, GRPO);

@@ -121,7 +121,7 @@ def use_shardscale(
             )
         existing: ShardedGradScaler = trainer.accelerator.scaler
         return existing
-    if trainer.accelerator._optimizers:
+    if getattr(trainer.accelerator, "_optimizers", None):  # (its absence: Accelerate's check)
         raise RuntimeError(
             "use_shardscale(trainer) must run before trainer.train(): this Trainer already "
             "prepared its optimizer with Accelerate's scaler. Call it right after Trainer(...)."
