@@ -97,9 +97,28 @@ class _Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+def _fsdp2_model(out: str) -> Any:
+    """The same model, FSDP2-sharded over both ranks by transformers' own distributed loading
+    (``from_pretrained(..., distributed_config=...)``, from a local save: nothing downloaded)."""
+    from transformers import LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    saved = str(Path(out) / "initial")
+    if dist.get_rank() == 0:
+        _model().save_pretrained(saved)
+    dist.barrier()
+    return LlamaForCausalLM.from_pretrained(
+        saved, distributed_config=DistributedConfig(fsdp_size=2)
+    )
+
+
 def _global_norm(model: torch.nn.Module) -> float:
+    """torch's norm of every gradient (DTensor shards gathered), in float64."""
+    from torch.distributed.tensor import DTensor
+
     grads = [p.grad.to(torch.float64) for p in model.parameters() if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads, 2.0))
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
 def _injecting(base: type, loss_step: int = LOSS_STEP, grad_step: int = GRAD_STEP) -> type:
@@ -120,10 +139,12 @@ def _injecting(base: type, loss_step: int = LOSS_STEP, grad_step: int = GRAD_STE
             loss = super().training_step(model, inputs, *args, **kwargs)
             step = self.state.global_step  # 0-based index of the optimizer step under way
             if step == grad_step and dist.get_rank() == GRAD_RANK:
+                from torch.distributed.tensor import DTensor
+
                 with torch.no_grad():
-                    next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = (
-                        math.inf
-                    )
+                    grad = next(p.grad for p in model.parameters() if p.grad is not None)
+                    local = grad.to_local() if isinstance(grad, DTensor) else grad
+                    local.view(-1)[0] = math.inf
             scale = self.accelerator.scaler.get_scale()
             self.rows.append(
                 {"step": step, "ref_norm": _global_norm(model) / scale, "scale_before": scale}
@@ -145,12 +166,16 @@ def _args(out: str, *, steps: int, save: bool) -> Any:
     )  # fmt: skip
 
 
-def _trainer(kind: str, out: str, *, steps: int, save: bool, init_scale: float) -> Any:
+def _trainer(
+    kind: str, out: str, *, steps: int, save: bool, init_scale: float, layout: str = "ddp"
+) -> Any:
     from transformers import Trainer
 
     _launch_env()
     trainer = _injecting(Trainer)(
-        model=_model(), args=_args(out, steps=steps, save=save), train_dataset=_Tokens(64)
+        model=_fsdp2_model(out) if layout == "fsdp2" else _model(),
+        args=_args(out, steps=steps, save=save),
+        train_dataset=_Tokens(64),
     )
     trainer.rows = []
     _hold(trainer, kind, init_scale)
@@ -171,7 +196,12 @@ def _hold(trainer: Any, kind: str, init_scale: float) -> None:
 
 
 def _params(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
+    from torch.distributed.tensor import DTensor
+
+    return [
+        (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for p in model.parameters()
+    ]
 
 
 def _summary(trainer: Any) -> dict[str, Any]:
@@ -184,8 +214,8 @@ def _summary(trainer: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _case(kind: str, out: str, resume: bool) -> dict[str, Any]:
-    trainer = _trainer(kind, out, steps=STEPS, save=resume, init_scale=INIT_SCALE)
+def _case(kind: str, out: str, resume: bool, layout: str = "ddp") -> dict[str, Any]:
+    trainer = _trainer(kind, out, steps=STEPS, save=resume, init_scale=INIT_SCALE, layout=layout)
     trainer.train()
     result = _summary(trainer)
     if not resume:
@@ -254,6 +284,20 @@ def test_trainer_ddp_fused_adamw_skip_clip_log_and_resume(pool2: Pool, tmp_path:
     results = pool2.run(_case, "shardscale", str(tmp_path / "ours"), True)
     _check_shardscale(results)
     _check_resume(results)
+
+
+def test_trainer_fsdp2_from_transformers_distributed_loading(pool2: Pool, tmp_path: Path) -> None:
+    """FSDP2 as transformers 5 shards a model itself (``distributed_config=DistributedConfig(
+    fsdp_size=2)``; Accelerate's own FSDP path needs a GPU): the same checks, no resume."""
+    _check_shardscale(pool2.run(_case, "shardscale", str(tmp_path / "fsdp2"), False, "fsdp2"))
+    # Without shardscale: torch's GradScaler reduces the overflow flag over the mesh of the
+    # first gradient, which here is every parameter's, so the ranks agree on the skips; the
+    # scheduler still advances on them (fused AdamW) and nothing records them.
+    r0, r1 = pool2.run(_case, "torch", str(tmp_path / "fsdp2-torch"), False, "fsdp2")
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"], strict=True))
+    assert r0["scale"] == r1["scale"] == INIT_SCALE / 4
+    assert r0["sched"] == r1["sched"] == STEPS
+    assert r0["record"] is None and "skipped_steps" not in r0["logs"][-1]
 
 
 def test_trainer_without_shardscale_fails_the_same_checks(pool2: Pool, tmp_path: Path) -> None:
