@@ -35,11 +35,18 @@ DISTS = [
     "shardscale",
     "shardscale-lightning",
     "shardscale-accelerate",
+    "shardscale-transformers",
+    "shardscale-torchtitan",
 ]
 # The trainer integrations and the framework releases their tests run (each dist declares a
-# range around its pin). About 16-31 s to install both into a venv that has torch.
-FRAMEWORK_DISTS = ["shardscale-lightning", "shardscale-accelerate"]
-FRAMEWORKS = ["lightning==2.6.6", "accelerate==1.15.0"]
+# range around its pin). About 16-31 s to install lightning and accelerate into a venv that has
+# torch (33 s with load average 12); transformers, trl and torchtitan add about 100 s at that load.
+FRAMEWORK_DISTS = ["shardscale-lightning", "shardscale-accelerate", "shardscale-transformers"]
+FRAMEWORKS = ["lightning==2.6.6", "accelerate==1.15.0", "transformers==5.24.0"]
+# Frameworks only the tests install: TRL's trainers run on shardscale-transformers (SFT, GRPO);
+# shardscale-torchtitan's drop-in is compared with torchtitan's own clip_grad_norm_ (it needs
+# datasets<4.8, which pip resolves together with TRL's).
+TEST_FRAMEWORKS = ["trl==1.16.0", "torchtitan==0.3.0"]
 # Extras the tests session installs with their distribution (the observers' own libraries).
 TEST_EXTRAS = {"shardscale-telemetry": "tensorboard,wandb"}
 # numpy: torch's own test-side tools (CommDebugMode, all_gather_object, DCP) import it.
@@ -77,6 +84,7 @@ def _run_tests(session: nox.Session, torch_version: str) -> None:
         *_with_test_extras(_package_dirs()),
         *(str(p) for p in TEST_PLUGINS),
         *FRAMEWORKS,
+        *TEST_FRAMEWORKS,
     )
     # shardscale's "ui" extra: the demo tests check the plot (the isolated session runs without it).
     session.install("rich>=13", "matplotlib>=3.7")

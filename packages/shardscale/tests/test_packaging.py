@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[3]
 DISTS = ["shardscale-core", "shardscale-collectives", "shardscale-clip", "shardscale-fsdp",
          "shardscale-telemetry", "shardscale"]  # fmt: skip
 # Not dependencies of shardscale: checked where installed (the tests session), skipped alone.
-INTEGRATIONS = ["shardscale-lightning", "shardscale-accelerate"]
+INTEGRATIONS = ["shardscale-lightning", "shardscale-accelerate", "shardscale-transformers",
+                "shardscale-torchtitan"]  # fmt: skip
 
 
 def _installed(dist: str) -> str:

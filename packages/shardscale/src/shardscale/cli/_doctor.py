@@ -420,13 +420,16 @@ def _guarded(check: str, run: Callable[[], _T], empty: _T, crashes: list[Finding
 
 
 # Trainer integrations: (distribution, the framework it adapts). Checked only when installed.
-_INTEGRATIONS = (("shardscale-lightning", "lightning"), ("shardscale-accelerate", "accelerate"))
+_INTEGRATIONS = (("shardscale-lightning", "lightning"), ("shardscale-accelerate", "accelerate"),
+                 ("shardscale-transformers", "transformers"))  # fmt: skip
+# Integrations that run without their framework (a drop-in with its signature): (dist, framework).
+_OPTIONAL_FRAMEWORK = (("shardscale-torchtitan", "torchtitan"),)
 
 
 def _integration_checks() -> Iterator[Finding]:
     import importlib.metadata as md
 
-    for dist_name, framework in _INTEGRATIONS:
+    for dist_name, framework in _INTEGRATIONS + _OPTIONAL_FRAMEWORK:
         try:
             version = md.version(dist_name)
         except md.PackageNotFoundError:
@@ -434,6 +437,10 @@ def _integration_checks() -> Iterator[Finding]:
         try:
             framework_version = md.version(framework)
         except md.PackageNotFoundError:
+            if (dist_name, framework) in _OPTIONAL_FRAMEWORK:
+                yield Finding(dist_name, "info", f"{dist_name} {version}: {framework} is not "
+                              "installed (not needed: the drop-in does not import it)")  # fmt: skip
+                continue
             yield Finding(dist_name, "error", f"{dist_name} {version} is installed but "
                           f"{framework} is not", f"pip install {dist_name} (it requires {framework})")  # fmt: skip
             continue
