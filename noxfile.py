@@ -307,8 +307,9 @@ def gpu(session: nox.Session) -> None:
 def bench_kernels(session: nox.Session) -> None:
     """foreach vs Triton stats kernels vs torch's recipe on one CUDA GPU: time, launches, syncs.
 
-    Uses the machine's CUDA torch (like ``gpu``); never part of CI. ``-- --interpret`` is a CPU
-    smoke run of the script through Triton's interpreter (it measures nothing).
+    Uses the machine's CUDA torch; never part of CI (``gpu`` runs the same script offline,
+    from the wheelhouse). ``-- --interpret`` is a CPU smoke run of the script through Triton's
+    interpreter (it measures nothing).
     """
     session.install(str(ROOT / "packages" / "shardscale-core"))
     session.install(str(ROOT / "packages" / "shardscale-triton"))
