@@ -32,7 +32,9 @@ DEFAULT_TORCH = "2.13.0"
 # shardscale/cli/_floors.py); test_packaging checks it.
 TORCH_VERSIONS = ["2.11.0", "2.13.0", "2.14.1", "2.15.0"]
 # The floors and the Triton each torch pins, from the one module that states them (stdlib only).
-FLOORS = runpy.run_path(str(ROOT / "packages" / "shardscale" / "src" / "shardscale" / "cli" / "_floors.py"))
+FLOORS = runpy.run_path(
+    str(ROOT / "packages" / "shardscale" / "src" / "shardscale" / "cli" / "_floors.py")
+)
 TRITON_PINS: dict[str, str] = FLOORS["TRITON_PINS"]
 TRITON_VERSIONS = sorted(set(TRITON_PINS.values()), key=lambda v: tuple(map(int, v.split("."))))
 # Order matters for the isolated session only in that core comes first.
@@ -217,7 +219,9 @@ def resolve(session: nox.Session) -> None:
         }
         missing = [d for d in DISTS if d not in chosen]
         if chosen.get("torch") != version or missing:
-            session.error(f"torch {version}: pip chose torch {chosen.get('torch')}, left out {missing}")
+            session.error(
+                f"torch {version}: pip chose torch {chosen.get('torch')}, left out {missing}"
+            )
         want = TRITON_PINS[_minor(version)]
         if chosen.get("triton") != want:
             session.error(f"torch {version}: pip chose triton {chosen.get('triton')}, but "

@@ -112,7 +112,7 @@ class Run:
         self.env: dict[str, Any] = {}
 
     def left(self) -> float:
-        return self.args.budget - (time.monotonic() - self.start)
+        return float(self.args.budget) - (time.monotonic() - self.start)
 
     def add(self, part: Part) -> Part:
         self.parts.append(part)
@@ -135,9 +135,9 @@ class Run:
             proc = subprocess.run(argv, cwd=ROOT, env=full_env, capture_output=True, text=True,
                                   timeout=limit, check=False)  # fmt: skip
         except subprocess.TimeoutExpired as exc:
-            text = (exc.stdout or "") + (exc.stderr or "")
-            text = text.decode(errors="replace") if isinstance(text, bytes) else text
-            return None, text + f"\n(stopped after {limit:.0f} s)", time.monotonic() - t0
+            parts = [p.decode(errors="replace") if isinstance(p, bytes) else p or ""
+                     for p in (exc.stdout, exc.stderr)]  # fmt: skip
+            return None, "".join(parts) + f"\n(stopped after {limit:.0f} s)", time.monotonic() - t0
         return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
 
 
@@ -298,7 +298,9 @@ def kernels_benchmark(run: Run, out_dir: Path) -> Part:
                      f"{r['q1_us']:.1f}-{r['q3_us']:.1f} | {r['launches']} | {r['host_syncs']} |")  # fmt: skip
     synced = [f"{r['kernels']} {r['what']}" for r in data["rows"]
               if r["kernels"] != "torch" and r["host_syncs"] != "none"]  # fmt: skip
-    head = f"{data['gradients']} gradients, {data['elements'] / 1e6:.1f} M elements, {data['dtype']}"
+    head = (
+        f"{data['gradients']} gradients, {data['elements'] / 1e6:.1f} M elements, {data['dtype']}"
+    )
     table = head + "\n\n" + "\n".join(lines)
     if synced:
         return run.add(Part(name, "failed", f"host sync in: {', '.join(synced)}", secs, table))

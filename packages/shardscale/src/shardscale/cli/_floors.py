@@ -32,7 +32,7 @@ NCCL_FLOOR = "2.28.9"
 def version_tuple(version: str) -> tuple[int, ...]:
     """The leading numeric release of ``version``: ``"2.11.0+cu130"`` -> ``(2, 11, 0)``."""
     out = []
-    for part in version.split("+")[0].split("."):
+    for part in version.split("+", maxsplit=1)[0].split("."):
         digits = ""
         for ch in part:
             if not ch.isdigit():
