@@ -271,10 +271,14 @@ def _build_gpu_wheelhouse(session: nox.Session, python: str) -> None:
     GPU_WHEELHOUSE.mkdir(parents=True)
     pip = [python, "-m", "pip"]
     dest = str(GPU_WHEELHOUSE)
-    session.run(*pip, "wheel", "--no-deps", "-w", dest, *_package_dirs(), silent=True,
-                external=True)  # fmt: skip
-    session.run(*pip, "download", "--only-binary=:all:", "--dest", dest, *GPU_TEST_DEPS,
+    session.run(*pip, "wheel", "--no-deps", "-w", dest, *_package_dirs(frameworks=False),
                 silent=True, external=True)  # fmt: skip
+    # Pure-Python wheels only (py3-none-any), so they install on the GPU machine's Python and
+    # platform whatever they are.
+    pure = ["--only-binary=:all:", "--implementation", "py", "--abi", "none", "--platform", "any",
+            "--python-version", PYTHON]  # fmt: skip
+    session.run(*pip, "download", *pure, "--dest", dest, *GPU_TEST_DEPS, silent=True,
+                external=True)  # fmt: skip
     names = sorted(p.name for p in GPU_WHEELHOUSE.glob("*.whl"))
     session.log(f"{len(names)} wheels in {GPU_WHEELHOUSE}: {', '.join(names)}")
 
