@@ -204,7 +204,7 @@ def resolve(session: nox.Session) -> None:
     versions = session.posargs or TORCH_VERSIONS
     for version in versions:
         report = out / f"resolve-torch-{version}.json"
-        args = ["--dry-run", "--ignore-installed", "--quiet", "--report", str(report)]
+        args = ["--dry-run", "--ignore-installed", "--report", str(report)]
         got = session.run(
             "python", "-m", "pip", "install", *args, f"torch==={version}",
             *_every_dist_and_extra(), *(str(p) for p in TEST_PLUGINS),
