@@ -3,12 +3,18 @@
 ``nox -s tests`` (the default) installs every distribution from its own
 directory into a fresh virtualenv with torch 2.13.0 (or ``$SHARDSCALE_TORCH``)
 and runs every package's tests plus integration_tests/.
-``nox -s tests_matrix`` runs the same over every torch version we support.
+``nox -s tests_matrix`` runs the same over every torch version we support
+(TORCH_VERSIONS: the floor 2.11.0 up to 2.15.0; 2.11.0 and 2.15.0 come as CUDA
+builds of several GB, which run on CPU). ``nox -s resolve`` asks pip whether each
+of them installs beside every distribution and extra, ``nox -s triton_compile``
+compiles the Triton kernels with the Triton each of them pins, and ``nox -s gpu``
+runs the GPU check (tools/gpu_check.py) with the machine's own torch.
 """
 
 from __future__ import annotations
 
 import os
+import runpy
 import shutil
 from pathlib import Path
 
@@ -22,8 +28,15 @@ nox.options.error_on_missing_interpreters = True
 ROOT = Path(__file__).parent
 PYTHON = "3.11"
 DEFAULT_TORCH = "2.13.0"
-# The oldest entry is the floor every pyproject declares (torch>=2.13); test_packaging checks it.
-TORCH_VERSIONS = ["2.13.0", "2.14.1"]
+# The oldest entry is the floor every pyproject declares (torch>=2.11, TORCH_FLOOR in
+# shardscale/cli/_floors.py); test_packaging checks it.
+TORCH_VERSIONS = ["2.11.0", "2.13.0", "2.14.1", "2.15.0"]
+# The floors and the Triton each torch pins, from the one module that states them (stdlib only).
+FLOORS = runpy.run_path(
+    str(ROOT / "packages" / "shardscale" / "src" / "shardscale" / "cli" / "_floors.py")
+)
+TRITON_PINS: dict[str, str] = FLOORS["TRITON_PINS"]
+TRITON_VERSIONS = sorted(set(TRITON_PINS.values()), key=lambda v: tuple(map(int, v.split("."))))
 # Order matters for the isolated session only in that core comes first.
 DISTS = [
     "shardscale-core",
@@ -154,31 +167,165 @@ def stress(session: nox.Session) -> None:
     )
 
 
-@nox.session(python=PYTHON, venv_params=["--system-site-packages"])
-def gpu(session: nox.Session) -> None:
-    """CUDA/NCCL tests (world size 1) on a machine with a GPU, using that machine's CUDA torch.
+def _extras(dist: str) -> list[str]:
+    """Every extra ``dist`` declares, read from its pyproject.toml."""
+    import tomllib
 
-    Never part of CI: without CUDA every test it selects skips. shardscale-triton's kernel
-    tests run here compiled on CUDA tensors (TRITON_INTERPRET must be unset).
+    with open(ROOT / "packages" / dist / "pyproject.toml", "rb") as f:
+        return sorted(tomllib.load(f)["project"].get("optional-dependencies", {}))
+
+
+def _every_dist_and_extra() -> list[str]:
+    return [
+        str(ROOT / "packages" / d) + (f"[{','.join(_extras(d))}]" if _extras(d) else "")
+        for d in DISTS
+    ]
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def _conflict(output: str) -> str:
+    """The lines of pip's answer that name the conflict (or its last lines)."""
+    lines = output.strip().splitlines()
+    for marker in ("The conflict is caused by:", "ResolutionImpossible", "ERROR:"):
+        hit = next((i for i, line in enumerate(lines) if marker in line), None)
+        if hit is not None:
+            return "\n".join(lines[hit : hit + 12])
+    return "\n".join(lines[-12:])
+
+
+@nox.session(python=PYTHON)
+def resolve(session: nox.Session) -> None:
+    """Ask pip, installing nothing, whether each supported torch resolves beside every
+    distribution with every extra and the trainer integrations; fail on the first conflict.
+
+    ``torch===X`` (string equality) picks the release's own wheel, so a local ``+cpu`` build
+    cannot stand in for the CUDA build whose pins (Triton, NCCL, CUDA libraries) are the ones
+    that conflict; pip reads their metadata only (a few MB, no multi-GB download). The Triton
+    pip chooses must be the one shardscale/cli/_floors.py pairs with that torch.
     """
+    import json
+
+    out = Path(session.create_tmp())
+    versions = session.posargs or TORCH_VERSIONS
+    for version in versions:
+        report = out / f"resolve-torch-{version}.json"
+        args = ["--dry-run", "--ignore-installed", "--report", str(report)]
+        got = session.run(
+            "python", "-m", "pip", "install", *args, f"torch==={version}",
+            *_every_dist_and_extra(), *(str(p) for p in TEST_PLUGINS),
+            silent=True, success_codes=[0, 1],
+        )  # fmt: skip
+        if not report.exists():
+            session.error(f"torch {version} does not resolve with every distribution:\n"
+                          f"{_conflict(str(got))}")  # fmt: skip
+        chosen = {
+            item["metadata"]["name"].lower(): item["metadata"]["version"]
+            for item in json.loads(report.read_text(encoding="utf-8"))["install"]
+        }
+        missing = [d for d in DISTS if d not in chosen]
+        if chosen.get("torch") != version or missing:
+            session.error(
+                f"torch {version}: pip chose torch {chosen.get('torch')}, left out {missing}"
+            )
+        want = TRITON_PINS[_minor(version)]
+        if chosen.get("triton") != want:
+            session.error(f"torch {version}: pip chose triton {chosen.get('triton')}, but "
+                          f"_floors.TRITON_PINS pairs it with {want}: update TRITON_PINS")  # fmt: skip
+        nccl = next((f"{n} {v}" for n, v in chosen.items() if n.startswith("nvidia-nccl")), "none")
+        session.log(f"torch {version} resolves: triton {chosen['triton']}, {nccl}, "
+                    f"{len(chosen)} distributions in all")  # fmt: skip
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("triton", TRITON_VERSIONS)
+def triton_compile(session: nox.Session, triton: str) -> None:
+    """Compile every shardscale-triton kernel variant to a cubin for sm_80 and sm_90 with one
+    Triton release that a supported torch pins (no GPU: ptxas ships in the triton wheel); with
+    the oldest and the newest, also run the kernels' tests through Triton's interpreter.
+
+    torch is the 2.13.0 CPU build throughout (the kernels' module needs torch, the compiler
+    does not); tests_matrix runs the interpreter tests beside each torch's own Triton too.
+    """
+    _install_torch(session, DEFAULT_TORCH)
     session.install(*TEST_DEPS)
-    session.install(*_package_dirs(frameworks=False))
-    session.run(
-        "python",
-        "-c",
-        "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())",
+    session.install(
+        f"torch=={DEFAULT_TORCH}",
+        f"triton=={triton}",
+        str(ROOT / "packages" / "shardscale-core"),
+        str(ROOT / "packages" / "shardscale-triton"),
     )
-    paths = [str(ROOT / "packages" / d / "tests") for d in DISTS if d not in FRAMEWORK_DISTS]
-    paths.append(str(ROOT / "integration_tests"))
-    session.run("pytest", "-m", "gpu", *paths, *session.posargs)
+    session.run("python", "-c", "import triton; print('triton', triton.__version__)")
+    tests = ROOT / "packages" / "shardscale-triton" / "tests"
+    env = {"TRITON_INTERPRET": "", "TRITON_CACHE_DIR": session.create_tmp() + "/triton-cache"}
+    session.run("python", str(tests / "_compile_all.py"), "80", "90", env=env)
+    if triton in (TRITON_VERSIONS[0], TRITON_VERSIONS[-1]):
+        # test_compile.py repeats the compile above in a subprocess: once is enough here.
+        session.run("pytest", str(tests), "--ignore", str(tests / "test_compile.py"),
+                    *session.posargs, env={"TRITON_INTERPRET": "1"})  # fmt: skip
+
+
+GPU_WHEELHOUSE = ROOT / ".nox" / "gpu-wheelhouse"
+# Pure-Python wheels the GPU check's tests need, with their own requirements (pip download
+# resolves those); nothing compiled, so they install on any Python >= 3.11 and platform.
+GPU_TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "pluggy>=1.3"]
+
+
+def _build_gpu_wheelhouse(session: nox.Session, python: str) -> None:
+    if GPU_WHEELHOUSE.exists():
+        shutil.rmtree(GPU_WHEELHOUSE)
+    GPU_WHEELHOUSE.mkdir(parents=True)
+    pip = [python, "-m", "pip"]
+    dest = str(GPU_WHEELHOUSE)
+    session.run(*pip, "wheel", "--no-deps", "-w", dest, *_package_dirs(frameworks=False),
+                silent=True, external=True)  # fmt: skip
+    # Pure-Python wheels only (py3-none-any), so they install on the GPU machine's Python and
+    # platform whatever they are.
+    pure = ["--only-binary=:all:", "--implementation", "py", "--abi", "none", "--platform", "any",
+            "--python-version", PYTHON]  # fmt: skip
+    session.run(*pip, "download", *pure, "--dest", dest, *GPU_TEST_DEPS, silent=True,
+                external=True)  # fmt: skip
+    names = sorted(p.name for p in GPU_WHEELHOUSE.glob("*.whl"))
+    session.log(f"{len(names)} wheels in {GPU_WHEELHOUSE}: {', '.join(names)}")
+
+
+@nox.session(python=PYTHON)
+def gpu_wheelhouse(session: nox.Session) -> None:
+    """Build .nox/gpu-wheelhouse for tools/gpu_check.py: our wheels and the pure-Python test
+    dependencies, so that a GPU machine without network installs from it (bring the folder)."""
+    _build_gpu_wheelhouse(session, "python")
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """The GPU check with the machine's own Python, torch and Triton: tools/gpu_check.py.
+
+    Installs our wheels with --no-deps from .nox/gpu-wheelhouse (``nox -s gpu_wheelhouse``
+    builds it, here, when it is missing; on a GPU machine without network bring it along),
+    checks torch/Triton/NCCL against our floors, runs the CUDA tests, the compiled Triton tests
+    (launch counts, host syncs), the kernels benchmark and ``shardscale bench --device cuda``,
+    and writes one report (default gpu-check/report.md). Never downloads; every part it skips
+    is printed with the reason. Without nox: ``python tools/gpu_check.py``. Arguments go to
+    the script, e.g. ``nox -s gpu -- --no-install``. Never part of CI.
+    """
+    python = os.environ.get("SHARDSCALE_GPU_PYTHON", "python")
+    args = list(session.posargs)
+    if "--no-install" not in args and not any(GPU_WHEELHOUSE.glob("shardscale_core-*.whl")):
+        session.log(f"no wheelhouse at {GPU_WHEELHOUSE}: building it (this step needs network)")
+        _build_gpu_wheelhouse(session, python)
+    args = ["--wheelhouse", str(GPU_WHEELHOUSE), *args]
+    session.run(python, str(ROOT / "tools" / "gpu_check.py"), *args, external=True)
 
 
 @nox.session(python=PYTHON, venv_params=["--system-site-packages"])
 def bench_kernels(session: nox.Session) -> None:
     """foreach vs Triton stats kernels vs torch's recipe on one CUDA GPU: time, launches, syncs.
 
-    Uses the machine's CUDA torch (like ``gpu``); never part of CI. ``-- --interpret`` is a CPU
-    smoke run of the script through Triton's interpreter (it measures nothing).
+    Uses the machine's CUDA torch; never part of CI (``gpu`` runs the same script offline,
+    from the wheelhouse). ``-- --interpret`` is a CPU smoke run of the script through Triton's
+    interpreter (it measures nothing).
     """
     session.install(str(ROOT / "packages" / "shardscale-core"))
     session.install(str(ROOT / "packages" / "shardscale-triton"))

@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--interpret", action="store_true", help="CPU smoke run (no timings)")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -154,6 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'kernels':8} {'what':28} {'median us':>10} {'IQR us':>17} {'launches':>8}  host syncs")
     for name, label, (med, lo, hi), launches, syncs in rows:
         print(f"{name:8} {label:28} {med:10.1f} {lo:8.1f}-{hi:<8.1f} {launches:8d}  {syncs}")
+    if args.json:
+        import json
+
+        fields = ("kernels", "what", "median_us", "q1_us", "q3_us", "launches", "host_syncs")
+        records = [dict(zip(fields, (n, w, *t, k, y), strict=True)) for n, w, t, k, y in rows]
+        meta = {"gradients": len(grads), "elements": numel, "dtype": args.dtype, "device": device}
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({**meta, "rows": records}, f, indent=2)
     return 0
 
 

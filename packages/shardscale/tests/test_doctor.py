@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 from pathlib import Path
 
@@ -32,6 +33,17 @@ def test_healthy_machine_exits_0_and_reports_torch_and_cuda(run_cli) -> None:
         assert "GPU" in cuda_f["detail"] or "CUDA" in cuda_f["detail"]
     launch = next(f for f in findings if f["check"] == "launch")
     assert "not launched by torchrun" in launch["detail"]
+    triton = [f for f in findings if f["check"] == "triton"]
+    try:
+        installed = md.version("triton")
+    except md.PackageNotFoundError:
+        assert triton == []
+    else:
+        # The test sessions install the Triton torch pins (or, beside a CPU torch, any >= 3.6).
+        assert [f["status"] for f in triton] == ["ok"], triton
+        assert f"triton {installed}" in triton[0]["detail"]
+        pins = [r for r in md.requires("torch") or [] if r.startswith("triton")]
+        assert ("torch requires" in triton[0]["detail"]) is bool(pins), (pins, triton)
 
 
 def test_text_output_says_nothing_is_broken(run_cli) -> None:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from shardscale.cli._floors import TORCH_FLOOR, TRITON_FLOOR, TRITON_PINS, below
+
 REPO = Path(__file__).resolve().parents[3]
 DISTS = ["shardscale-core", "shardscale-collectives", "shardscale-clip", "shardscale-fsdp",
          "shardscale-telemetry", "shardscale"]  # fmt: skip
@@ -79,14 +81,52 @@ def test_distribution_declares_urls_and_classifiers(dist: str) -> None:
     assert set(meta.get_all("Classifier") or []) >= CLASSIFIERS
 
 
-@pytest.mark.parametrize("dist", DISTS + INTEGRATIONS)
+def _floor(dist: str, name: str) -> str:
+    """The version in ``dist``'s one ``name>=X`` requirement (its only bound)."""
+    reqs = [r for r in md.requires(dist) or [] if re.match(rf"{name}\b", r)]
+    assert len(reqs) == 1, reqs
+    floor = re.fullmatch(rf"{name}\s*>=\s*([\d.]+)", reqs[0].split(";")[0].strip())
+    assert floor, reqs
+    return floor.group(1)
+
+
+@pytest.mark.parametrize("dist", [*DISTS, *INTEGRATIONS, "shardscale-triton"])
 def test_torch_floor_is_the_oldest_tested_torch(dist: str) -> None:
     _installed(dist)
-    torch_reqs = [r for r in md.requires(dist) or [] if re.match(r"torch\b", r)]
-    assert len(torch_reqs) == 1, torch_reqs
-    floor = re.fullmatch(r"torch\s*>=\s*([\d.]+)", torch_reqs[0].split(";")[0].strip())
-    assert floor, torch_reqs
+    floor = _floor(dist, "torch")
+    # One floor, stated in _floors.py, which doctor and tools/gpu_check.py judge by.
+    assert floor == TORCH_FLOOR
     tested = _noxfile_torch_versions()
     # The declared floor is a version the test matrix runs, and nothing older is claimed.
     oldest = min(tested, key=_version_key)
-    assert _version_key(floor.group(1)) == _version_key(oldest)[: len(floor.group(1).split("."))]
+    assert _version_key(floor) == _version_key(oldest)[: len(floor.split("."))]
+
+
+def test_triton_floor_is_the_oldest_triton_a_supported_torch_pins() -> None:
+    _installed("shardscale-triton")
+    pinned = sorted(TRITON_PINS.values(), key=_version_key)
+    floor = _floor("shardscale-triton", "triton")
+    assert floor == TRITON_FLOOR
+    # Installs beside the oldest torch's Triton, so beside every newer torch's as well.
+    assert _version_key(pinned[0])[: len(floor.split("."))] == _version_key(floor)
+    # Every torch of the matrix has its Triton stated (nox -s resolve checks it against pip).
+    minors = {".".join(v.split(".")[:2]) for v in _noxfile_torch_versions()}
+    assert minors <= set(TRITON_PINS), minors - set(TRITON_PINS)
+
+
+@pytest.mark.parametrize(
+    ("version", "floor", "older"),
+    [
+        ("2.10.1", "2.11", True),
+        ("2.11.0+cu130", "2.11", False),
+        ("2.11.0a0+git1234", "2.11", False),  # a source build of the floor counts as the floor
+        ("2.9.0", "2.11", True),
+        ("2.15.0", "2.11", False),
+        ("3.5.1", "3.6", True),
+        ("3.6.0", "3.6", False),
+        ("2.27.7", "2.28.9", True),
+        ("2.28.9", "2.28.9", False),
+    ],
+)
+def test_below_compares_on_the_floors_precision(version: str, floor: str, older: bool) -> None:
+    assert below(version, floor) is older

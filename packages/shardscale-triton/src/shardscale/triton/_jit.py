@@ -115,17 +115,24 @@ def stats_kernel(  # type: ignore[no-untyped-def]
         idx = tl.arange(0, FBLOCK)
         peak = tl.zeros([FBLOCK], dtype=ACC)
         nans = tl.zeros([FBLOCK], dtype=tl.int32)
-        for start in range(0, nblk, FBLOCK):
+        # while, not range(0, nblk, FBLOCK): Triton 3.6's interpreter cannot take a loaded
+        # scalar as a range bound (it converts a 1-element array with int(), which numpy 2
+        # refuses); a while loop compiles to the same loop. zero: an int64 0, a loop variable.
+        zero = nblk - nblk
+        start = zero
+        while start < nblk:
             k = start + idx
             mm = tl.load(part_m + t_first + k, mask=k < nblk, other=0.0, cache_modifier=".cg")
             nans = tl.maximum(nans, (mm != mm).to(tl.int32))
             peak = tl.maximum(peak, tl.where(mm != mm, 0.0, mm))
+            start += FBLOCK
         top = tl.max(peak, axis=0)
         any_nan = tl.max(nans, axis=0)
         total = tl.zeros([FBLOCK], dtype=ACC)
         if MODE != MODE_INF:
             safe_top = tl.where((top > 0) & (top < float("inf")), top, 1.0)
-            for start in range(0, nblk, FBLOCK):
+            start = zero
+            while start < nblk:
                 k = start + idx
                 ss = tl.load(part_s + t_first + k, mask=k < nblk, other=0.0, cache_modifier=".cg")
                 if MODE == MODE_SCALED:
@@ -134,6 +141,7 @@ def stats_kernel(  # type: ignore[no-untyped-def]
                     )
                     ss = ss * _pow(tl.where(mm != mm, 0.0, mm) / safe_top, p)
                 total += ss
+                start += FBLOCK
         s_all = tl.sum(total, axis=0)
         if MODE == MODE_INF:
             result = top

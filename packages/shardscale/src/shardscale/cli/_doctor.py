@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
+from shardscale.cli._floors import NCCL_FLOOR, TORCH_FLOOR, TRITON_FLOOR, below
 from shardscale.cli._plugin_timeout import add_plugin_timeout_option, load_plugins_with_limit
 
 if TYPE_CHECKING:
@@ -67,13 +68,12 @@ def _torch_checks() -> Iterator[Finding]:
     from shardscale.core import ShardedGradScaler  # noqa: F401  (the import itself is a check)
 
     version = torch.__version__
-    base = tuple(int(x) for x in version.split("+")[0].split(".")[:2] if x.isdigit())
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
     if torch.version.hip:
         build = f"ROCm {torch.version.hip}"
-    if base < (2, 13):
-        yield Finding("torch", "error", f"torch {version} ({build}) is older than 2.13 (the oldest tested)",
-                      "pip install 'torch>=2.13'")  # fmt: skip
+    if below(version, TORCH_FLOOR):
+        yield Finding("torch", "error", f"torch {version} ({build}) is older than {TORCH_FLOOR} "
+                      "(the oldest tested)", f"pip install 'torch>={TORCH_FLOOR}'")  # fmt: skip
     else:
         yield Finding("torch", "ok", f"torch {version} ({build})")
     import torch.distributed as dist
@@ -91,7 +91,12 @@ def _torch_checks() -> Iterator[Finding]:
         yield Finding("cuda", "ok", f"{torch.cuda.device_count()} GPU(s): {names}")
         if dist.is_nccl_available():
             nccl = ".".join(str(v) for v in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
-            yield Finding("nccl", "ok", f"NCCL {nccl}")
+            if below(nccl, NCCL_FLOOR):
+                yield Finding("nccl", "warn", f"NCCL {nccl} is older than {NCCL_FLOOR}, the NCCL "
+                              f"of torch {TORCH_FLOOR}'s CUDA wheels (the oldest paired with "
+                              "shardscale)", "use a torch build with a newer NCCL")  # fmt: skip
+            else:
+                yield Finding("nccl", "ok", f"NCCL {nccl}")
         else:
             yield Finding("nccl", "error", "CUDA is available but NCCL is not",
                           "install a CUDA build of torch with NCCL (the PyPI CUDA wheels have it)")  # fmt: skip
@@ -101,6 +106,60 @@ def _torch_checks() -> Iterator[Finding]:
     else:
         yield Finding("cuda", "info", "no CUDA: CPU-only torch; training runs on CPU with gloo",
                       "for GPUs install a CUDA build of torch")  # fmt: skip
+
+
+def _torch_triton_requirement() -> Any:
+    """The ``triton`` requirement in the installed torch's metadata that applies here, or None.
+
+    torch's CUDA wheels pin the Triton they were built with (``triton==3.6.0`` for
+    torch 2.11.0); CPU builds require none. None also where ``packaging`` is missing.
+    """
+    import importlib.metadata as md
+
+    try:
+        from packaging.requirements import InvalidRequirement, Requirement
+    except ImportError:
+        return None
+    try:
+        raw = md.requires("torch") or []
+    except md.PackageNotFoundError:  # torch imported from a source tree: no metadata
+        return None
+    for text in raw:
+        try:
+            req = Requirement(text)
+        except InvalidRequirement:
+            continue
+        if req.name == "triton" and (req.marker is None or req.marker.evaluate({"extra": ""})):
+            return req
+    return None
+
+
+def _triton_checks() -> Iterator[Finding]:
+    """The installed Triton against shardscale-triton's floor and the Triton torch pins."""
+    import importlib.metadata as md
+
+    try:
+        version = md.version("triton")
+    except md.PackageNotFoundError:
+        return  # without triton, the kernels finding says why shardscale-triton is unused
+    try:
+        ours: str | None = md.version("shardscale-triton")
+    except md.PackageNotFoundError:
+        ours = None
+    req = _torch_triton_requirement()
+    if ours is not None and below(version, TRITON_FLOOR):
+        pin = f" (the one your torch requires: '{req}')" if req is not None else ""
+        yield Finding("triton", "error", f"triton {version} is older than {TRITON_FLOOR}, the "
+                      f"oldest shardscale-triton {ours} supports",
+                      f"pip install 'triton>={TRITON_FLOOR}'{pin}")  # fmt: skip
+    elif req is not None and not req.specifier.contains(version, prereleases=True):
+        yield Finding("triton", "warn", f"triton {version} is not the Triton this torch was built "
+                      f"with ('{req}'): torch.compile and the Triton kernels may fail",
+                      f"pip install '{req}' (installing a newer Triton next to torch replaces "
+                      "torch's own)")  # fmt: skip
+    else:
+        pinned = f"; torch requires '{req}'" if req is not None else ""
+        yield Finding("triton", "ok", f"triton {version}{pinned}")
 
 
 def _launch_checks(connect: bool) -> tuple[list[Finding], bool]:
@@ -477,7 +536,9 @@ def run_checks(*, connect: bool = False, backend: str | None = None) -> list[Fin
 
     from shardscale.core import PluginWarning, ShardscaleError, get_registry
 
+    crashes: list[Finding] = []
     findings = list(_torch_checks())
+    findings += _guarded("triton", lambda: list(_triton_checks()), [], crashes)
     launch, launched = _launch_checks(connect)
     with warnings.catch_warnings():
         # Every plugin warning becomes a finding below; do not print it twice.
@@ -489,7 +550,6 @@ def run_checks(*, connect: bool = False, backend: str | None = None) -> list[Fin
                                     _plugin_fix(exc)))  # fmt: skip
             spec, source = "", ""
         built = False
-        crashes: list[Finding] = []
         if spec:
             nothing: tuple[list[Finding], bool] = ([], False)
             build, built = _guarded("build", lambda: _build_checks(spec, source), nothing, crashes)

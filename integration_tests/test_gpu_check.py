@@ -1,0 +1,58 @@
+"""tools/gpu_check.py on a machine without a GPU: it runs, says why each CUDA part is skipped,
+writes its report and exits 0; with nothing to install from, it fails before touching pip."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tools" / "gpu_check.py"
+CUDA_PARTS = ["cuda tests", "triton tests", "kernels benchmark", "bench (triton)",
+              "bench (foreach)"]  # fmt: skip
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU, even on a machine that has one
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_without_cuda_every_cuda_part_is_skipped_with_a_reason_and_it_exits_0(
+    tmp_path: Path,
+) -> None:
+    report = tmp_path / "report.md"
+    proc = _run("--no-install", "--report", str(report))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "[ok  ] environment" in out and "[ok  ] doctor" in out, out
+    assert "skipped install: --no-install" in out, out
+    for part in CUDA_PARTS:
+        line = next((ln for ln in out.splitlines() if ln.startswith(f"  skipped {part}:")), None)
+        assert line is not None, (part, out)
+        assert "no CUDA device (torch.cuda.is_available() is False" in line, line
+    assert "2 parts ok, 0 failed, 6 skipped" in out, out
+    text = report.read_text(encoding="utf-8")
+    import torch
+
+    assert f"torch {torch.__version__}" in text
+    for part in ["environment", "install", "doctor", *CUDA_PARTS]:
+        assert f"| {part} |" in text, part
+    assert "nothing is broken" in text  # doctor really ran, in this Python
+
+
+@pytest.mark.timeout(120)
+def test_an_empty_wheelhouse_fails_install_and_runs_nothing_after(tmp_path: Path) -> None:
+    (tmp_path / "house").mkdir()
+    proc = _run("--wheelhouse", str(tmp_path / "house"), "--report", str(tmp_path / "r.md"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAILED install: no shardscale-core wheel in" in proc.stdout, proc.stdout
+    assert "nox -s gpu_wheelhouse" in proc.stdout
+    for part in ["doctor", *CUDA_PARTS]:
+        assert f"skipped {part}: not run: install failed" in proc.stdout, (part, proc.stdout)

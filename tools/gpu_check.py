@@ -1,0 +1,411 @@
+"""The GPU check in one command, with the torch, Triton and NCCL the machine already has.
+
+``python tools/gpu_check.py`` (``nox -s gpu`` calls it) on a machine whose torch
+cannot be changed (a managed image, a shared cluster, no network):
+
+1. **environment**: Python, torch (build, CUDA, GPUs), NCCL and Triton, judged
+   against shardscale's floors (``shardscale/cli/_floors.py``);
+2. **install**: our wheels from ``--wheelhouse`` with ``pip --no-index --no-deps``
+   into this Python, and the pure-Python test dependencies found there when
+   missing (``nox -s gpu_wheelhouse`` builds the folder; bring it along). pip
+   never looks at an index, so nothing is downloaded and torch is never touched;
+3. **doctor**: ``shardscale doctor --json`` (torch/Triton/NCCL, plugins, a
+   real scaler step on the GPU);
+4. **cuda tests**: ``pytest -m gpu`` over the test files that have CUDA cases;
+5. **triton tests**: shardscale-triton's tests compiled on the GPU, launch
+   counts and ``torch.cuda.set_sync_debug_mode("error")`` included;
+6. **kernels benchmark**: ``benchmarks/triton_kernels.py``: foreach vs Triton
+   vs torch's recipe, time, kernel launches, host syncs (a sync fails it);
+7. **bench (triton)** and **bench (foreach)**: ``shardscale bench --device cuda
+   --quick``, ours vs torch, with the Triton kernels and without them.
+
+It writes one Markdown report (``--report``), prints every part it skipped
+and why, and exits 1 when a part failed, else 0 (a machine without CUDA runs
+1-3 and skips the rest with a reason each). Each part has a time limit and the
+whole run a budget (``--budget``, 840 s by default) so it ends within 15
+minutes on one GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import runpy
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOORS = runpy.run_path(str(ROOT / "packages/shardscale/src/shardscale/cli/_floors.py"))
+# Ours, without the trainer integrations (they need lightning/accelerate, not part of this).
+DISTS = ["shardscale-core", "shardscale-collectives", "shardscale-clip", "shardscale-fsdp",
+         "shardscale-triton", "shardscale-telemetry", "shardscale"]  # fmt: skip
+TEST_DEPS = ["pytest", "pytest-timeout", "hypothesis", "pluggy"]
+TRITON_TESTS = ROOT / "packages" / "shardscale-triton" / "tests"
+PARTS = ["environment", "install", "doctor", "cuda tests", "triton tests", "kernels benchmark",
+         "bench (triton)", "bench (foreach)"]  # fmt: skip
+# Seconds each part may take at most (the budget may leave less).
+LIMITS = {"environment": 120, "install": 180, "doctor": 180, "cuda tests": 420,
+          "triton tests": 300, "kernels benchmark": 240, "bench (triton)": 240,
+          "bench (foreach)": 240}  # fmt: skip
+
+# What the machine has: run in a child so that this process imports nothing of it.
+_PROBE = r"""
+import importlib.metadata as md, json, platform, re, sys
+out = {"python": platform.python_version(), "executable": sys.executable}
+try:
+    import torch
+except Exception as exc:
+    out["torch_error"] = f"{type(exc).__name__}: {exc}"
+else:
+    out["torch"] = torch.__version__
+    out["cuda_build"] = torch.version.cuda
+    out["cuda"] = torch.cuda.is_available()
+    out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if out["cuda"] else []
+    out["capability"] = list(torch.cuda.get_device_capability(0)) if out["cuda"] else None
+    try:
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else None
+    except Exception as exc:
+        out["nccl"] = None
+        out["nccl_error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        pins = [r for r in md.requires("torch") or [] if re.match(r"triton\b", r)]
+    except md.PackageNotFoundError:
+        pins = []
+    out["torch_triton_pin"] = pins[0].split(";")[0].strip() if pins else None
+for name in ("triton", "numpy", "shardscale-core"):
+    try:
+        out[name] = md.version(name)
+    except md.PackageNotFoundError:
+        out[name] = None
+print(json.dumps(out))
+"""
+
+
+@dataclass
+class Part:
+    """One part's outcome: ``ok``, ``failed`` or ``skipped``, and why."""
+
+    name: str
+    status: str
+    detail: str
+    seconds: float = 0.0
+    output: str = ""
+
+
+class Run:
+    """The parts done so far, the time left, and how to run a child process."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.python = args.python
+        self.parts: list[Part] = []
+        self.start = time.monotonic()
+        self.env: dict[str, Any] = {}
+
+    def left(self) -> float:
+        return float(self.args.budget) - (time.monotonic() - self.start)
+
+    def add(self, part: Part) -> Part:
+        self.parts.append(part)
+        mark = {"ok": "ok  ", "failed": "FAIL", "skipped": "skip"}[part.status]
+        print(f"[{mark}] {part.name} ({part.seconds:.0f} s): {part.detail}", flush=True)
+        return part
+
+    def skip(self, name: str, reason: str) -> Part:
+        return self.add(Part(name, "skipped", reason))
+
+    def child(
+        self, name: str, argv: list[str], *, env: dict[str, str] | None = None
+    ) -> tuple[int | None, str, float]:
+        """Run ``argv`` within the part's limit; (exit status or None on timeout, output, s)."""
+        limit = max(1.0, min(LIMITS[name], self.left()))
+        full_env = {**os.environ, **(env or {})}
+        full_env.pop("TRITON_INTERPRET", None)  # compiled kernels only, here
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(argv, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                                  timeout=limit, check=False)  # fmt: skip
+        except subprocess.TimeoutExpired as exc:
+            parts = [p.decode(errors="replace") if isinstance(p, bytes) else p or ""
+                     for p in (exc.stdout, exc.stderr)]  # fmt: skip
+            return None, "".join(parts) + f"\n(stopped after {limit:.0f} s)", time.monotonic() - t0
+        return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
+
+
+def _tail(text: str, lines: int = 25) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _below(version: str, floor: str) -> bool:
+    below = FLOORS["below"]
+    return bool(below(version, floor))
+
+
+def check_environment(run: Run) -> Part:
+    code, out, secs = run.child("environment", [run.python, "-c", _PROBE])
+    if code != 0:
+        return run.add(Part("environment", "failed", f"cannot inspect {run.python}",
+                            secs, _tail(out)))  # fmt: skip
+    env = run.env = json.loads(out.strip().splitlines()[-1])
+    if "torch_error" in env:
+        return run.add(Part("environment", "failed", f"torch does not import: {env['torch_error']}",
+                            secs))  # fmt: skip
+    problems = []
+    if _below(env["torch"], FLOORS["TORCH_FLOOR"]):
+        problems.append(f"torch {env['torch']} is older than {FLOORS['TORCH_FLOOR']}")
+    if env["triton"] and _below(env["triton"], FLOORS["TRITON_FLOOR"]):
+        problems.append(f"triton {env['triton']} is older than {FLOORS['TRITON_FLOOR']} "
+                        "(shardscale-triton's floor)")  # fmt: skip
+    notes = []
+    if env.get("nccl") and _below(env["nccl"], FLOORS["NCCL_FLOOR"]):
+        notes.append(f"NCCL {env['nccl']} is older than {FLOORS['NCCL_FLOOR']} (the NCCL of "
+                     f"torch {FLOORS['TORCH_FLOOR']}'s CUDA wheels): untested")  # fmt: skip
+    pin = env.get("torch_triton_pin")
+    if pin and env["triton"] and env["triton"] not in pin:
+        notes.append(f"torch requires {pin}, triton {env['triton']} is installed")
+    build = f"CUDA {env['cuda_build']}" if env["cuda_build"] else "CPU-only build"
+    gpus = ", ".join(env["gpus"]) or "no GPU visible"
+    cap = f" (sm_{env['capability'][0]}{env['capability'][1]})" if env["capability"] else ""
+    detail = (f"Python {env['python']}, torch {env['torch']} ({build}), {gpus}{cap}, "
+              f"NCCL {env.get('nccl') or 'none'}, triton {env['triton'] or 'not installed'}"
+              f"{f' (torch requires {pin})' if pin else ''}; floors: torch "
+              f">={FLOORS['TORCH_FLOOR']}, triton >={FLOORS['TRITON_FLOOR']}, NCCL "
+              f">={FLOORS['NCCL_FLOOR']}")  # fmt: skip
+    if notes:
+        detail += "; note: " + "; ".join(notes)
+    if problems:
+        return run.add(Part("environment", "failed", "; ".join(problems) + " -- " + detail, secs))
+    return run.add(Part("environment", "ok", detail, secs))
+
+
+def install(run: Run) -> Part:
+    if run.args.no_install:
+        return run.skip("install", "--no-install: testing the shardscale already installed here")
+    house = Path(run.args.wheelhouse)
+    wheels = []
+    for dist in DISTS:
+        found = sorted(house.glob(f"{dist.replace('-', '_')}-*.whl"))
+        if not found:
+            return run.add(Part("install", "failed", f"no {dist} wheel in {house}: build the "
+                                "folder with 'nox -s gpu_wheelhouse' where there is network and "
+                                "bring it along (or pass --no-install)"))  # fmt: skip
+        wheels.append(str(found[-1]))
+    pip = [run.python, "-m", "pip", "install", "--no-index", "--find-links", str(house)]
+    # Ours with --no-deps: torch, Triton and everything else of the machine stay as they are.
+    code, out, secs = run.child("install", [*pip, "--no-deps", "--force-reinstall", *wheels])
+    if code != 0:
+        return run.add(Part("install", "failed", "pip could not install our wheels", secs,
+                            _tail(out)))  # fmt: skip
+    missing = [d for d in TEST_DEPS if not _has(run, d)]
+    if missing:
+        # Only what is missing, from the folder alone (their own requirements come from it too).
+        code, more, extra = run.child("install", [*pip, *missing])
+        secs += extra
+        if code != 0:
+            return run.add(Part("install", "failed", f"pip could not install {missing} from "
+                                f"{house}", secs, _tail(more)))  # fmt: skip
+    return run.add(Part("install", "ok", f"{len(wheels)} wheels with --no-deps from {house}"
+                        + (f"; test dependencies {', '.join(missing)}" if missing else ""), secs))  # fmt: skip
+
+
+def _has(run: Run, dist: str) -> bool:
+    code, _, _ = run.child("install", [run.python, "-c",
+                                       f"import importlib.metadata as m; m.version({dist!r})"])  # fmt: skip
+    return code == 0
+
+
+def doctor(run: Run) -> Part:
+    code, out, secs = run.child("doctor", [run.python, "-m", "shardscale.cli", "doctor", "--json"])
+    try:
+        data = json.loads(out[out.index("{") :])
+    except ValueError:
+        return run.add(Part("doctor", "failed", "shardscale doctor printed no JSON", secs,
+                            _tail(out)))  # fmt: skip
+    rows = [f"{f['status']:5} {f['check']}: {f['detail']}" for f in data["findings"]]
+    bad = [f"{f['check']}: {f['detail']}" for f in data["findings"] if f["status"] == "error"]
+    if code != 0 or bad:
+        return run.add(Part("doctor", "failed", "; ".join(bad) or f"exit status {code}", secs,
+                            "\n".join(rows)))  # fmt: skip
+    warns = sum(f["status"] == "warn" for f in data["findings"])
+    return run.add(Part("doctor", "ok", f"nothing is broken ({len(rows)} findings, {warns} "
+                        "warnings)", secs, "\n".join(rows)))  # fmt: skip
+
+
+def _gpu_test_files() -> list[str]:
+    """The test files with CUDA cases (``pytest.mark.gpu``), shardscale-triton's left out."""
+    roots = [*sorted((ROOT / "packages").glob("*/tests")), ROOT / "integration_tests"]
+    files = []
+    for folder in roots:
+        if folder == TRITON_TESTS:
+            continue
+        for path in sorted(folder.glob("test_*.py")):
+            if "mark.gpu" in path.read_text(encoding="utf-8"):
+                files.append(str(path.relative_to(ROOT)))
+    return files
+
+
+def _pytest(run: Run, name: str, paths: list[str]) -> Part:
+    argv = [run.python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *paths]
+    code, out, secs = run.child(name, argv)
+    summary = next((ln for ln in reversed(out.strip().splitlines()) if " in " in ln), "")
+    summary = summary.strip("= ")
+    if code == 0:
+        return run.add(Part(name, "ok", f"{summary} ({len(paths)} files)", secs, _tail(out, 15)))
+    if code == 5:
+        return run.add(Part(name, "failed", "no CUDA test was collected", secs, _tail(out)))
+    why = "timed out" if code is None else summary or f"exit status {code}"
+    return run.add(Part(name, "failed", why, secs, _tail(out, 60)))
+
+
+def _no_cuda(run: Run) -> str | None:
+    env = run.env
+    if not env or "torch" not in env:
+        return "torch could not be inspected (see environment)"
+    if not env["cuda"]:
+        build = f"torch {env['torch']} is built for CUDA {env['cuda_build']} but sees no GPU" if (
+            env["cuda_build"]) else f"torch {env['torch']} is a CPU-only build"  # fmt: skip
+        return f"no CUDA device (torch.cuda.is_available() is False: {build})"
+    return None
+
+
+def _no_triton(run: Run) -> str | None:
+    return _no_cuda(run) or (None if run.env.get("triton") else "triton is not installed here")
+
+
+def kernels_benchmark(run: Run, out_dir: Path) -> Part:
+    name = "kernels benchmark"
+    target = out_dir / "kernels.json"
+    argv = [run.python, str(ROOT / "benchmarks" / "triton_kernels.py"), "--repeats", "30",
+            "--json", str(target)]  # fmt: skip
+    code, out, secs = run.child(name, argv)
+    if code != 0 or not target.exists():
+        return run.add(Part(name, "failed", "timed out" if code is None else f"exit status {code}",
+                            secs, _tail(out, 40)))  # fmt: skip
+    data = json.loads(target.read_text(encoding="utf-8"))
+    lines = ["| kernels | what | median us | IQR us | launches | host syncs |",
+             "| --- | --- | ---: | --- | ---: | --- |"]  # fmt: skip
+    for r in data["rows"]:
+        lines.append(f"| {r['kernels']} | {r['what']} | {r['median_us']:.1f} | "
+                     f"{r['q1_us']:.1f}-{r['q3_us']:.1f} | {r['launches']} | {r['host_syncs']} |")  # fmt: skip
+    synced = [f"{r['kernels']} {r['what']}" for r in data["rows"]
+              if r["kernels"] != "torch" and r["host_syncs"] != "none"]  # fmt: skip
+    head = (
+        f"{data['gradients']} gradients, {data['elements'] / 1e6:.1f} M elements, {data['dtype']}"
+    )
+    table = head + "\n\n" + "\n".join(lines)
+    if synced:
+        return run.add(Part(name, "failed", f"host sync in: {', '.join(synced)}", secs, table))
+    return run.add(Part(name, "ok", f"{head}; no host sync in ours", secs, table))
+
+
+def bench(run: Run, which: str, out_dir: Path) -> Part:
+    name = f"bench ({which})"
+    world = 2 if len(run.env.get("gpus", [])) >= 2 else 1
+    folder = out_dir / f"bench-{which}"
+    argv = [run.python, "-m", "shardscale.cli", "bench", "--device", "cuda", "--quick",
+            "--world-size", str(world), "--meshes", "1d", "--scaling-points", "none",
+            "--out", str(folder)]  # fmt: skip
+    env = {"SHARDSCALE_DISABLE_PLUGINS": "shardscale-triton"} if which == "foreach" else {}
+    code, out, secs = run.child(name, argv, env=env)
+    table = folder / "bench.md"
+    if code != 0 or not table.exists():
+        return run.add(Part(name, "failed", "timed out" if code is None else f"exit status {code}",
+                            secs, _tail(out, 40)))  # fmt: skip
+    kernels = "Triton kernels" if which == "triton" else "foreach kernels (shardscale-triton off)"
+    return run.add(Part(name, "ok", f"--quick, world size {world}, {kernels}", secs,
+                        table.read_text(encoding="utf-8")))  # fmt: skip
+
+
+def write_report(run: Run, path: Path) -> None:
+    env = run.env
+    lines = [
+        "# shardscale GPU check",
+        "",
+        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, {platform.node()}, "
+        f"{env.get('executable', run.python)}; {time.monotonic() - run.start:.0f} s in all.",
+        "",
+        "| part | result | seconds | detail |",
+        "| --- | --- | ---: | --- |",
+    ]
+    for p in run.parts:
+        lines.append(f"| {p.name} | {p.status} | {p.seconds:.0f} | {p.detail.replace('|', '/')} |")
+    for p in run.parts:
+        if p.output:
+            fence = "" if p.output.lstrip().startswith(("|", "#")) or "\n| " in p.output else "```"
+            lines += ["", f"## {p.name}", "", *( [fence] if fence else []), p.output.strip(),
+                      *([fence] if fence else [])]  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--wheelhouse", default=str(ROOT / ".nox" / "gpu-wheelhouse"),
+                        help="folder with our wheels and the test dependencies "
+                        "(nox -s gpu_wheelhouse builds it)")  # fmt: skip
+    parser.add_argument("--no-install", action="store_true",
+                        help="test the shardscale already installed in this Python")  # fmt: skip
+    parser.add_argument("--report", default=str(ROOT / ".nox" / "gpu-check" / "report.md"),
+                        help="the Markdown report to write")  # fmt: skip
+    parser.add_argument("--python", default=sys.executable,
+                        help="the Python to check and install into (default: this one)")  # fmt: skip
+    parser.add_argument("--budget", type=float, default=840.0,
+                        help="seconds for the whole run (default 840)")  # fmt: skip
+    parser.add_argument("--skip", action="append", default=[], choices=PARTS, metavar="PART",
+                        help=f"leave a part out (repeatable): {', '.join(PARTS)}")  # fmt: skip
+    args = parser.parse_args(argv)
+    run = Run(args)
+    report = Path(args.report).resolve()
+    print(f"shardscale GPU check with {args.python}; report: {report}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="shardscale-gpu-check-") as tmp:
+        out_dir = Path(tmp)
+        steps: list[tuple[str, Any]] = [
+            ("environment", lambda: check_environment(run)),
+            ("install", lambda: install(run)),
+            ("doctor", lambda: doctor(run)),
+            ("cuda tests", lambda: _pytest(run, "cuda tests", _gpu_test_files())),
+            ("triton tests", lambda: _pytest(run, "triton tests", [str(TRITON_TESTS)])),
+            ("kernels benchmark", lambda: kernels_benchmark(run, out_dir)),
+            ("bench (triton)", lambda: bench(run, "triton", out_dir)),
+            ("bench (foreach)", lambda: bench(run, "foreach", out_dir)),
+        ]
+        needs = {"cuda tests": _no_cuda, "triton tests": _no_triton,
+                 "kernels benchmark": _no_triton, "bench (triton)": _no_triton,
+                 "bench (foreach)": _no_cuda}  # fmt: skip
+        stop: str | None = None
+        for name, step in steps:
+            if name in args.skip:
+                run.skip(name, "--skip")
+            elif stop is not None:
+                run.skip(name, stop)
+            elif name in needs and (reason := needs[name](run)) is not None:
+                run.skip(name, reason)
+            elif run.left() < 5:
+                run.skip(name, f"the time budget ({args.budget:.0f} s) is spent")
+            else:
+                part = step()
+                if name in ("environment", "install") and part.status == "failed":
+                    stop = f"not run: {name} failed"
+        write_report(run, report)
+    skipped = [p for p in run.parts if p.status == "skipped"]
+    failed = [p for p in run.parts if p.status == "failed"]
+    print(f"\n{len(run.parts) - len(skipped) - len(failed)} parts ok, {len(failed)} failed, "
+          f"{len(skipped)} skipped; report: {report}")  # fmt: skip
+    for p in skipped:
+        print(f"  skipped {p.name}: {p.detail}")
+    for p in failed:
+        print(f"  FAILED {p.name}: {p.detail}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
