@@ -44,6 +44,7 @@ from shardscale.core._gradients import GradBuckets, collect_grads, optimizer_par
 from shardscale.core._held_scheduler import SkipAwareScheduler
 from shardscale.core._hookspecs import ENTRY_POINT_GROUP, HOOK_KINDS, PROJECT, hookimpl
 from shardscale.core._iteration import Iteration, step_and_flag
+from shardscale.core._lazy import lazy_exports
 from shardscale.core._local import LocalBackend
 from shardscale.core._loop_kernels import LoopKernels
 from shardscale.core._lr_schedule import (
@@ -121,6 +122,7 @@ __all__ = [
     "step_and_flag",
     # the step engine every caller goes through
     "run_step",
+    "lazy_exports",
     "clip_parameters_",
     "norm_dtype",
     "StepConfig",
