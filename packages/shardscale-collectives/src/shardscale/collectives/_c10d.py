@@ -12,8 +12,9 @@ the current stream wait, without a host synchronisation.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -156,6 +157,10 @@ def require_initialized(backend_name: str) -> None:
         )
 
 
+#: id(group) -> (group, its global ranks); a few entries (groups of one job).
+_GROUP_RANKS: collections.OrderedDict[int, tuple[Any, tuple[int, ...]]] = collections.OrderedDict()
+
+
 class C10dBackend:
     """Reduces over any ``torch.distributed`` process group, whatever its backend.
 
@@ -206,7 +211,15 @@ class C10dBackend:
         self._check_group(group)
         pg = group if group is not None else dist.group.WORLD
         assert pg is not None
-        return tuple(int(r) for r in dist.get_process_group_ranks(pg))
+        # A group's ranks never change: the same tuple every step, not O(W) work each time.
+        hit = _GROUP_RANKS.get(id(pg))
+        if hit is not None and hit[0] is pg:
+            return hit[1]
+        ranks = tuple(int(r) for r in dist.get_process_group_ranks(pg))
+        _GROUP_RANKS[id(pg)] = (pg, ranks)  # holding the group: its id stays its own
+        if len(_GROUP_RANKS) > 16:
+            _GROUP_RANKS.popitem(last=False)
+        return ranks
 
     def _check_group(self, group: ProcessGroup | None) -> None:
         import torch.distributed as dist

@@ -7,6 +7,7 @@ stats kernels run once per group.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -66,6 +67,30 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]
         yield from group["params"]
 
 
+#: (id(ranks), id(group ranks)) -> (ranks, group ranks, whether the first lie in the second).
+_WITHIN: collections.OrderedDict[tuple[int, int], tuple[frozenset[int], tuple[int, ...], bool]] = (
+    collections.OrderedDict()
+)
+
+
+def _within(ranks: frozenset[int], group_ranks: tuple[int, ...]) -> bool:
+    """Whether ``ranks`` all lie in ``group_ranks``, O(W) once per pair of objects.
+
+    A mesh's ranks (cached by the adapter) and a group's (cached by the
+    backend) are the same objects step after step: at 10^5 ranks a set test
+    per parameter and step cost more than the step (docs/benchmark.md).
+    """
+    key = (id(ranks), id(group_ranks))
+    hit = _WITHIN.get(key)
+    if hit is not None and hit[0] is ranks and hit[1] is group_ranks:
+        return hit[2]
+    ok = ranks <= frozenset(group_ranks)
+    _WITHIN[key] = (ranks, group_ranks, ok)  # holding both: their ids stay theirs
+    if len(_WITHIN) > 64:
+        _WITHIN.popitem(last=False)
+    return ok
+
+
 def collect_grads(
     params: Iterable[torch.Tensor],
     ctx: AdapterContext,
@@ -86,7 +111,6 @@ def collect_grads(
     claims its type; sparse ones are then coalesced without being stored back.
     """
     buckets = GradBuckets()
-    allowed = frozenset(group_ranks) if group_ranks is not None else None
     for param in params:
         if not isinstance(param, torch.Tensor):
             raise TypeError(
@@ -106,7 +130,12 @@ def collect_grads(
         else:
             shard = registry.adapter_for(param).describe(param, grad, ctx)
             local, counts = shard.local, shard.counts
-            if shard.ranks is not None and allowed is not None and not shard.ranks <= allowed:
+            if (
+                shard.ranks is not None
+                and group_ranks is not None
+                and not _within(shard.ranks, group_ranks)
+            ):
+                allowed = frozenset(group_ranks)
                 missing = sorted(shard.ranks - allowed)
                 raise LayoutError(
                     f"a gradient of shape {tuple(param.shape)} lives on ranks "

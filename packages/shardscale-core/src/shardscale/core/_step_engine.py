@@ -119,10 +119,8 @@ from shardscale.core._step_errors import (
     StepError,
     add_pending,
     chain_names,
-    disagree,
     drop_pending,
     error_code,
-    failing_ranks,
     fingerprint,
     poll_errors,
     raise_pending_errors,
@@ -307,12 +305,8 @@ class StepResult:
             return True
         if self._errors is None or self._errors.on_device:
             return False
-        blocks = self._errors.read(wait=False)
-        if blocks is None:
-            return False
-        return bool(failing_ranks(blocks)) or any(
-            disagree(blocks, name) for name in ("chain", "declarations")
-        )
+        flags = self._errors.read_flags(wait=False)
+        return flags is not None and any(flags)
 
     def raise_errors(self, *, wait: bool = True) -> None:
         """Raise on every rank if any rank of the step failed or ranks disagree; else a no-op.
@@ -324,10 +318,14 @@ class StepResult:
         """
         if self._raised:
             return
-        blocks = self._errors.read(wait=wait) if self._errors is not None else None
-        if blocks is None and self.local_error is None:
+        errors = self._errors
+        flags = errors.read_flags(wait=wait) if errors is not None else None
+        if flags is None and self.local_error is None:
             return  # still on its way: stays pending
         drop_pending(self)
+        # The W-slot blocks are read only when something failed (see ErrorBlocks).
+        failed = errors is not None and flags is not None and any(flags)
+        blocks = errors.read(wait=True) if failed and errors is not None else None
         try:
             raise_step_errors(
                 blocks,
@@ -891,10 +889,8 @@ def _decide(
     vec, layout = result.vector, result.layout
     p, max_norm, scale = local.norm_type, local.max_norm, request.scale
     # A non-finite gradient, an error or a disagreement on any rank: nothing is stepped on.
-    bad = (vec[layout.block("nonfinite")].sum() + vec[layout.block("error")].sum()) > 0
-    for name in ("chain", "declarations"):
-        prints = vec[layout.block(name)]
-        bad = bad | (prints.amax() != prints.amin())
+    result._errors = ErrorBlocks(vec, layout)
+    bad = (vec[layout.block("nonfinite")].sum() + result._errors.flags.sum()) > 0
     result.found_inf.copy_(bad.to(torch.float32))
     if p is not None:
         peaks = vec[layout.block("peak")]
@@ -922,7 +918,6 @@ def _decide(
     if request.apply is Apply.FUSED:
         assert scale is not None
         result.grad_scale = scale / result.coef.to(scale.device)
-    result._errors = ErrorBlocks(vec, layout)
     if result._errors.on_device:
         add_pending(result)
 

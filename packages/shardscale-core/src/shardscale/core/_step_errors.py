@@ -117,22 +117,40 @@ def fingerprint(text: str) -> float:
 
 
 class ErrorBlocks:
-    """The host copy of a reduced vector's ``HOST_READ`` blocks, started right after the reduce.
+    """The host's view of a reduced vector's ``HOST_READ`` blocks, started right after the reduce.
 
-    The same path on every device, and never a device-to-host sync: the
-    blocks are copied into host memory (pinned, asynchronous on a GPU) and
-    read there with ``tolist()`` once the copy is known to be done.
+    The same path on every device, and never a device-to-host sync. The
+    success path reads three numbers on the host, whatever the world size:
+    :attr:`flags`, computed on the device from the blocks (how many ranks
+    failed, whether the chain fingerprints differ, whether the declaration
+    fingerprints differ). The W-slot blocks themselves are turned into
+    Python numbers only when one of those is nonzero (:meth:`read`): at
+    10^5 ranks reading them on every step cost more host time than the rest
+    of the step (docs/benchmark.md, the scale table). On a GPU both are
+    copied into pinned host memory asynchronously, so the failure path needs
+    no second copy; elsewhere they are read where they are.
     """
 
-    __slots__ = ("_event", "_host", "layout")
+    __slots__ = ("_blocks", "_event", "_flags", "flags", "layout")
 
     def __init__(self, vector: torch.Tensor, layout: VectorLayout) -> None:
         self.layout = layout
         blocks = vector[layout.host_read()]
-        on_gpu = blocks.device.type == "cuda"
-        self._host = torch.empty(blocks.numel(), dtype=blocks.dtype, pin_memory=on_gpu)
-        self._host.copy_(blocks, non_blocking=on_gpu)
+        prints = [vector[layout.block(name)] for name in ("chain", "declarations")]
+        #: On the device: (failing ranks, chains differ, declarations differ), float64.
+        self.flags = torch.stack(
+            [(vector[layout.block("error")] != 0).sum().to(torch.float64)]
+            + [(p.amax() != p.amin()).to(torch.float64) for p in prints]
+        )
         self._event: Any = None
+        if blocks.device.type == "cpu":
+            self._blocks, self._flags = blocks, self.flags
+            return
+        on_gpu = blocks.device.type == "cuda"
+        self._blocks = torch.empty(blocks.numel(), dtype=blocks.dtype, pin_memory=on_gpu)
+        self._flags = torch.empty(3, dtype=torch.float64, pin_memory=on_gpu)
+        self._flags.copy_(self.flags, non_blocking=on_gpu)
+        self._blocks.copy_(blocks, non_blocking=on_gpu)
         if on_gpu:
             self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._event.record()
@@ -146,13 +164,29 @@ class ErrorBlocks:
         """Whether the copy is done (always, off the GPU)."""
         return self._event is None or bool(self._event.query())
 
-    def read(self, *, wait: bool) -> dict[str, list[float]] | None:
-        """Each host-read block by name, or None if not ``wait`` and the copy is still on its way."""
+    def _ready(self, *, wait: bool) -> bool:
         if self._event is not None:
             if not wait and not self._event.query():
-                return None
+                return False
             self._event.synchronize()
-        values: list[float] = self._host.tolist()
+        return True
+
+    def read_flags(self, *, wait: bool) -> tuple[int, bool, bool] | None:
+        """(failing ranks, chains differ, declarations differ), or None if not ``wait`` and the
+        copy is still on its way."""
+        if not self._ready(wait=wait):
+            return None
+        failing, chains, declarations = self._flags.tolist()
+        return int(failing), bool(chains), bool(declarations)
+
+    def read(self, *, wait: bool) -> dict[str, list[float]] | None:
+        """Each host-read block by name, or None if not ``wait`` and the copy is still on its way.
+
+        W numbers per block: for the failure path (:meth:`read_flags` first).
+        """
+        if not self._ready(wait=wait):
+            return None
+        values: list[float] = self._blocks.tolist()
         w = self.layout.world
         return {name: values[i * w : (i + 1) * w] for i, name in enumerate(self.layout.HOST_READ)}
 

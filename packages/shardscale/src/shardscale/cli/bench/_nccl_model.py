@@ -126,11 +126,7 @@ def predict(nbytes: int, ranks: int, fabric: Fabric | None = None) -> list[Model
             log_size = _log2i(nbytes >> 6) if nbytes >= 64 else 0
             if algo == "tree" and log_size < len(_TREE_CORRECTION[p]):
                 bw *= _TREE_CORRECTION[p][log_size]
-            if (
-                algo == "ring"
-                and proto == "Simple"
-                and nbytes / (fabric.channels * ranks) >= 64
-            ):
+            if algo == "ring" and proto == "Simple" and nbytes / (fabric.channels * ranks) >= 64:
                 lat *= _RING_PLATEAU
             out.append(ModelTime(lat + nbytes / (1000.0 * bw), algo, proto))
     return out

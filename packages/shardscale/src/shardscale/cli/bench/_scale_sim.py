@@ -154,7 +154,9 @@ class SimBackend:
         self.reduced: torch.Tensor | None = None
         self.seen: torch.Tensor | None = None
 
-    def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp, group: ProcessGroup | None) -> Handle:
+    def all_reduce(
+        self, tensor: torch.Tensor, *, op: ReduceOp, group: ProcessGroup | None
+    ) -> Handle:
         """Record ``tensor``, run the fake all-reduce, then write the composed result."""
         from shardscale.core import CompletedHandle
 
@@ -239,6 +241,17 @@ def fake_rank(rank: int, world: int) -> Iterator[Any]:
         yield init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    # A real job builds its mesh once; here every rank's session builds one of the same shape,
+    # and caches keyed by mesh would compare the new mesh with the old ones (O(W) each).
+    try:
+        from shardscale.fsdp._mesh_replicas import _cached_status
+    except ImportError:  # shardscale-fsdp not installed: no DTensor adapter cache to clear
+        return
+    _cached_status.cache_clear()
 
 
 def _params(rank: int, cfg: SimConfig, mesh: Any) -> list[torch.nn.Parameter]:
