@@ -148,6 +148,26 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def bench_scale(session: nox.Session) -> None:
+    """The scale table: the step engine simulated at 1 024 to 131 072 ranks in one process.
+
+    torch's fake process group and a DeviceMesh of each size, tiny FSDP2-style DTensor and plain
+    parameters; the vector's bytes, the host time to build and decide (95 % intervals), the
+    decisions checked with and without an inf on the last rank, and the all-reduce modelled with
+    NCCL's tuning model against an 8-byte one (docs/benchmark.md). About five minutes on 2 cores.
+    Writes .nox/bench/bench-scale.{json,md}; extra arguments go to
+    ``python -m shardscale.cli.bench.scale`` (e.g. ``-- --worlds 1024 16384 --repeats 5``).
+    """
+    _install_torch(session, os.environ.get("SHARDSCALE_TORCH", DEFAULT_TORCH))
+    others = [d for d in _package_dirs(frameworks=False) if not d.endswith(f"{os.sep}shardscale")]
+    session.install(*others, str(ROOT / "packages" / "shardscale"))
+    args = list(session.posargs)
+    if not any(a == "--out" or a.startswith("--out=") for a in args):
+        args += ["--out", str(ROOT / ".nox" / "bench")]
+    session.run("python", "-m", "shardscale.cli.bench.scale", *args)
+
+
+@nox.session(python=PYTHON)
 def stress(session: nox.Session) -> None:
     """Long randomized runs: the 4-rank overflow fuzz for hundreds of steps and thousands of
     random scaler call sequences (the tests session runs short versions of both)."""
