@@ -7,9 +7,11 @@ fit) records it instead of raising: its peers are about to wait for it in the
 step's all-reduce, so it must join. It writes an error *code* (the kind of
 error, classified by exception type: :data:`ERROR_KINDS`) into its slot of the
 vector's ``error`` block, beside the fingerprints of its backend chain and of
-its declarations. After the reduction every rank reads those blocks on the
-host (``VectorLayout.HOST_READ``; on a GPU through a pinned copy, never a
-host sync) and, in this order of precedence:
+its declarations. After the reduction every rank reads three flags on the
+host, computed from those blocks on the device (how many ranks failed, do
+chains differ, do declarations differ; on a GPU through a pinned copy, never
+a host sync), and only when one is set the blocks themselves
+(``VectorLayout.HOST_READ``, W slots each). Then, in this order of precedence:
 
 1. a failing rank raises its own error, with a note that its peers were told;
 2. ranks whose backend chains differ all raise (their collectives can

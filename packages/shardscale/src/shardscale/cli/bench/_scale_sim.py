@@ -212,13 +212,13 @@ def reference_norm(cfg: SimConfig) -> float:
     p = cfg.norm_type
 
     def power_sum(tensors: Sequence[torch.Tensor]) -> float:
-        return sum(float(torch.linalg.vector_norm(t.double(), p)) ** p for t in tensors)
+        return math.fsum(float(torch.linalg.vector_norm(t.double(), p)) ** p for t in tensors)
 
     reps = representative_ranks(cfg.world)
     total = (cfg.world - len(reps)) * power_sum(local_grads(TEMPLATE_RANK, cfg)[0])
     total += sum(power_sum(local_grads(r, cfg)[0]) for r in reps)
     total += power_sum(local_grads(0, cfg)[1])  # replicated plain tensors count once
-    return total ** (1.0 / p) / SCALE
+    return float(total ** (1.0 / p)) / SCALE
 
 
 # -- one rank of the fake group ------------------------------------------------------------------
@@ -258,7 +258,7 @@ def _params(rank: int, cfg: SimConfig, mesh: Any) -> list[torch.nn.Parameter]:
     from torch.distributed.tensor import DTensor, Shard
 
     sharded, plain = local_grads(rank, cfg)
-    shape = (cfg.world * cfg.local_numel,)
+    shape = torch.Size((cfg.world * cfg.local_numel,))
     params = []
     for grad in sharded:
         local = torch.zeros(cfg.local_numel)
