@@ -79,6 +79,8 @@ def test_decisions_at_scale(world: int) -> None:
         assert found == 1.0
         assert math.isinf(norm) and norm > 0
     assert overflow.correct and clean.correct
+    # The step's one collective, at every size, clean or not.
+    assert clean.collectives_per_step == 1.0 and overflow.collectives_per_step == 1.0
 
 
 def test_nccl_model_small_messages_take_the_tree() -> None:
@@ -126,6 +128,7 @@ def test_scale_command_writes_the_table(run_cli, tmp_path: Path) -> None:
         assert row["host"]["clean"]["correct"] and row["host"]["inf_on_last"]["correct"]
         assert len(row["host"]["clean"]["samples_ms"]) == 2 * len(representative_ranks(16))
         assert row["model_derived"]["ratio"] >= 1.0
+        assert row["host"]["clean"]["collectives_per_step"] == 1.0
     assert "| 32 |" in (out / "bench-scale.md").read_text()
 
 

@@ -61,7 +61,7 @@ table): NCCL's own tuning model puts this vector's all-reduce at 1.08x an
 SUM cannot carry. What did grow with W on every step was host work: it now
 reads three device-computed flags, not the 3·W error/fingerprint slots
 (``ErrorBlocks``), so the decision costs O(1) host work and O(W) device work
-(simulated: 290 ms -> ~8 ms per step at 131 072 ranks on one CPU thread).
+(simulated at 131 072 ranks on one CPU thread: 137 ms -> 8-11 ms per step).
 
 Ranks whose chain fingerprints differ raise together: they reached the same
 collective through different middleware, which can mismatch and hang the

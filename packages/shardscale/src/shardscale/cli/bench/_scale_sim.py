@@ -110,6 +110,8 @@ class SimResult:
     reference: float
     #: Relative error allowed between the decided norm and the reference (see ``norm_rtol``).
     rtol: float
+    #: All-reduces per timed step (counted by :class:`SimBackend`).
+    collectives_per_step: float
 
     @property
     def correct(self) -> bool:
@@ -153,6 +155,8 @@ class SimBackend:
         self.inner = inner
         self.reduced: torch.Tensor | None = None
         self.seen: torch.Tensor | None = None
+        #: All-reduces issued through this backend (the step's one collective).
+        self.calls = 0
 
     def all_reduce(
         self, tensor: torch.Tensor, *, op: ReduceOp, group: ProcessGroup | None
@@ -160,6 +164,7 @@ class SimBackend:
         """Record ``tensor``, run the fake all-reduce, then write the composed result."""
         from shardscale.core import CompletedHandle
 
+        self.calls += 1
         if self.reduced is None:
             self.seen = tensor.clone()  # capturing (untimed)
         self.inner.all_reduce(tensor, op=op, group=group).wait()
@@ -333,18 +338,21 @@ def simulate(cfg: SimConfig, *, clock: Callable[[], float] = time.perf_counter) 
     reduced = compose(local, cfg.world)
     times: list[float] = []
     decisions: dict[int, tuple[float, float]] = {}
+    calls = 0
     for rank in reps:
         with fake_rank(rank, cfg.world) as mesh:
             backend = SimBackend(get_registry().make_backend("c10d"))
             backend.reduced = reduced
             params = _params(rank, cfg, mesh)
             _step(params, backend, cfg)  # warm: adapters, kernels resolved once
+            backend.calls = 0
             for _ in range(cfg.repeats):
                 start = clock()
                 result = _step(params, backend, cfg)
                 times.append(clock() - start)
             assert result.norm is not None
             decisions[rank] = (float(result.found_inf), float(result.norm))
+            calls += backend.calls
     terms = cfg.world * cfg.dtensor_params + cfg.plain_params
     return SimResult(
         world=cfg.world,
@@ -355,6 +363,7 @@ def simulate(cfg: SimConfig, *, clock: Callable[[], float] = time.perf_counter) 
         decisions=decisions,
         reference=reference_norm(cfg),
         rtol=norm_rtol(cfg.local_numel, terms, cfg.norm_type),
+        collectives_per_step=calls / len(times),
     )
 
 

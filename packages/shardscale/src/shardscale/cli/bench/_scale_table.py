@@ -51,6 +51,7 @@ class ScaleRow:
                 "ci95_ms": [low * 1e3, high * 1e3],
                 "samples_ms": [s * 1e3 for s in res.step_s],
                 "decisions": {str(r): list(d) for r, d in res.decisions.items()},
+                "collectives_per_step": res.collectives_per_step,
                 "correct": res.correct,
             }
         return {
@@ -122,16 +123,18 @@ def format_scale_markdown(result: dict[str, Any]) -> str:
     """The table as Markdown (docs/benchmark.md)."""
     lines = [
         "| ranks | vector bytes | host ms / step, finite [95 % CI] | host ms / step, inf on "
-        "last rank [95 % CI] | decisions correct | all-reduce µs, vector (model) | all-reduce µs, "
-        "8 bytes (model) | ratio (model) |",
-        "| ---: | ---: | --- | --- | --- | ---: | ---: | ---: |",
+        "last rank [95 % CI] | decisions correct | collectives / step | all-reduce µs, vector "
+        "(model) | all-reduce µs, 8 bytes (model) | ratio (model) |",
+        "| ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for row in result["rows"]:
         model = row["model_derived"]
         ok = row["host"]["clean"]["correct"] and row["host"]["inf_on_last"]["correct"]
+        calls = {row["host"][k]["collectives_per_step"] for k in ("clean", "inf_on_last")}
         lines.append(
             f"| {row['world']:,} | {row['vector_bytes']:,} | {_ms(row['host']['clean'])} | "
             f"{_ms(row['host']['inf_on_last'])} | {'yes' if ok else 'NO'} | "
+            f"{'/'.join(f'{c:g}' for c in sorted(calls))} | "
             f"{model['vector_us']:.1f} ({model['vector_algo']}) | "
             f"{model['eight_bytes_us']:.1f} ({model['eight_bytes_algo']}) | {model['ratio']:.2f} |"
         )
