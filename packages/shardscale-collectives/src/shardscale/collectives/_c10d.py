@@ -13,6 +13,7 @@ the current stream wait, without a host synchronisation.
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -157,8 +158,10 @@ def require_initialized(backend_name: str) -> None:
         )
 
 
-#: id(group) -> (group, its global ranks); a few entries (groups of one job).
-_GROUP_RANKS: collections.OrderedDict[int, tuple[Any, tuple[int, ...]]] = collections.OrderedDict()
+#: id(group) -> (weak reference to the group, its global ranks); a few entries.
+_GROUP_RANKS: collections.OrderedDict[int, tuple[weakref.ref[Any], tuple[int, ...]]] = (
+    collections.OrderedDict()
+)
 
 
 class C10dBackend:
@@ -213,10 +216,12 @@ class C10dBackend:
         assert pg is not None
         # A group's ranks never change: the same tuple every step, not O(W) work each time.
         hit = _GROUP_RANKS.get(id(pg))
-        if hit is not None and hit[0] is pg:
+        if hit is not None and hit[0]() is pg:
             return hit[1]
         ranks = tuple(int(r) for r in dist.get_process_group_ranks(pg))
-        _GROUP_RANKS[id(pg)] = (pg, ranks)  # holding the group: its id stays its own
+        # A weak reference: a destroyed group is freed as before (its id may then be reused,
+        # which the identity test above sees).
+        _GROUP_RANKS[id(pg)] = (weakref.ref(pg), ranks)
         if len(_GROUP_RANKS) > 16:
             _GROUP_RANKS.popitem(last=False)
         return ranks
