@@ -35,6 +35,18 @@ def _local_grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
 
 
+def _state_tensors(arm: Arm) -> list[torch.Tensor]:
+    """Parameters and the optimizer state of their size (Adam's moments), as local tensors."""
+    out = []
+    for param in arm.model.parameters():
+        local = local_tensor(param)
+        out.append(local)
+        for value in arm.opt.state.get(param, {}).values():
+            if isinstance(value, torch.Tensor) and local_tensor(value).numel() == local.numel():
+                out.append(local_tensor(value))
+    return out
+
+
 def _count_collectives(arm: Arm, max_norm: float) -> dict[str, Any]:
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -79,10 +91,13 @@ def _count_bytes(arm: Arm, loss_of: Any) -> dict[str, Any]:
     for handle in handles:
         handle.remove()
     with GradBytesCounter(_local_grads(arm.model)) as post:
+        post.add_state(_state_tensors(arm))
         arm.post(COUNTING_MAX_NORM)
     return {
         "grad_bytes_read": post.read,
         "grad_bytes_written": post.written,
+        "state_bytes_read": post.state_read,
+        "state_bytes_written": post.state_written,
         "grad_bytes_read_in_backward_hooks": hooks.read,
         "grad_bytes_by_op": {
             op: [post.by_op.get(op, 0), post.by_op_written.get(op, 0)]
