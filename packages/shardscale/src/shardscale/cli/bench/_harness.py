@@ -8,7 +8,8 @@ barrier between the two, so that all ranks start post-processing together,
 is not timed. Each rank records its own times; the slowest rank's time is
 kept per round and arm. After the timed rounds, untimed steps count
 collectives (torch's ``CommDebugMode`` for every arm, the ``counting``
-middleware for ours) and gradient bytes (``_bytes``).
+middleware for ours), gradient bytes (``_bytes``), and launches and host
+syncs of post-processing (``_launches``; syncs on CUDA only).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from shardscale.cli.bench._arms import Arm, make_arms
 from shardscale.cli.bench._bytes import GradBytesCounter, local_tensor
 from shardscale.cli.bench._config import BenchConfig, mesh_shape
+from shardscale.cli.bench._launches import count_launches, host_sync
 from shardscale.cli.bench._order import balanced_order, rounds_for
 from shardscale.cli.bench._workload import Net
 
@@ -44,6 +46,35 @@ def _state_tensors(arm: Arm) -> list[torch.Tensor]:
         for value in arm.opt.state.get(param, {}).values():
             if isinstance(value, torch.Tensor) and local_tensor(value).numel() == local.numel():
                 out.append(local_tensor(value))
+    return out
+
+
+def _launches_and_syncs(
+    arm: Arm, loss_of: Any, max_norm: float, device: torch.device
+) -> dict[str, Any]:
+    """Launches of one post-processing step and where it syncs the host (see ``_launches``)."""
+
+    def backward() -> None:
+        arm.opt.zero_grad(set_to_none=True)
+        arm.scaler.scale(loss_of(arm)).backward()
+
+    backward()
+    out: dict[str, Any] = {
+        "launches_post": count_launches(lambda: arm.post(max_norm), device),
+        "launches_counted_as": "CUDA kernels"
+        if device.type == "cuda"
+        else "top-level aten ops (CPU: no launches)",
+    }
+    if device.type != "cuda":
+        out["host_sync_post"] = out["host_sync_clip"] = "n/a"  # nothing to sync with
+        return out
+    backward()
+    out["host_sync_post"] = host_sync(lambda: arm.post(max_norm), device)
+    backward()
+    # Unscale + clip alone: an unfused optimizer's step syncs by design (torch's too).
+    out["host_sync_clip"] = host_sync(lambda: arm.clip(max_norm), device)
+    arm.scaler.step(arm.opt)
+    arm.scaler.update()
     return out
 
 
@@ -184,6 +215,7 @@ def run_config(cfg: BenchConfig, mesh_kind: str, opt_name: str) -> dict[str, Any
         arm.scaler.scale(loss_for(step_after)(arm)).backward()
         rec.update(_count_collectives(arm, cfg.max_norm))
         rec.update(_count_bytes(arm, loss_for(step_after + 1)))
+        rec.update(_launches_and_syncs(arm, loss_for(step_after + 2), cfg.max_norm, device))
         out["arms"][arm.name] = rec
     out["local_grad_bytes"] = sum(g.numel() * g.element_size() for g in _local_grads(arms[0].model))
     return out

@@ -23,7 +23,7 @@ __all__ = ["analyse", "format_markdown", "format_ranges", "format_table", "sanit
 
 _METRICS = ("step", "post", "backward")
 _LABEL = {"torch": "torch", "torch_aa": "torch again (A/A)", "ours": "ours",
-          "ours_streaming": "ours + streaming stats",
+          "ours_streaming": "ours + streaming stats", "ours_foreach": "ours, foreach kernels",
           "streaming_vs_ours": "streaming / ours (not / torch)"}  # fmt: skip
 
 
@@ -95,6 +95,33 @@ def _passes_cell(arm: dict[str, Any]) -> str:
     if floor is None or ratio is None or ratio == 1:
         return counted
     return f"{counted} (floor {floor} -> {_num(ratio)})"
+
+
+def _sync(value: Any) -> str:
+    return "none" if value is None else str(value)
+
+
+def _launch_lines(result: dict[str, Any], *, markdown: bool) -> list[str]:
+    """Launches and host syncs of one post-processing step per arm (see ``_launches``)."""
+    rows = [
+        r for r in result.get("rows", []) if any("launches_post" in a for a in r["arms"].values())
+    ]
+    if not rows:
+        return []
+    kinds = {a.get("launches_counted_as") for r in rows for a in r["arms"].values()} - {None}
+    out = ["", f"Launches per post-processing step ({', '.join(sorted(kinds))}) and host syncs "
+           "(set_sync_debug_mode('error'); clip = unscale + clip alone, post = with step and update):"]  # fmt: skip
+    if markdown:
+        out += ["", "| mesh | optimizer | arm | launches | host sync in clip | host sync in post |",
+                "| --- | --- | --- | ---: | --- | --- |"]  # fmt: skip
+    for row in rows:
+        for name, arm in row["arms"].items():
+            if "launches_post" not in arm:
+                continue
+            cells = [_mesh(row), row["optimizer"], _LABEL.get(name, name), str(arm["launches_post"]),
+                     _sync(arm.get("host_sync_clip")), _sync(arm.get("host_sync_post"))]  # fmt: skip
+            out.append("| " + " | ".join(cells) + " |" if markdown else "  " + "; ".join(cells))
+    return out
 
 
 def sanitize(value: Any) -> Any:
@@ -220,6 +247,7 @@ def format_table(result: dict[str, Any]) -> str:
                     f"{sv['step']['verdict']}, backward {_ci(sv['backward'])} "
                     f"{sv['backward']['verdict']}, post {_ci(sv['post'])} {sv['post']['verdict']}"
                 )
+    lines += _launch_lines(result, markdown=False)
     if result.get("scaling"):
         lines += ["", *_scaling_lines(result["scaling"])]
     return "\n".join(lines)
@@ -291,6 +319,7 @@ def format_markdown(result: dict[str, Any]) -> str:
                 f"{sv['step']['verdict']}; backward {_ci(sv['backward'])}; post {_ci(sv['post'])} "
                 f"{sv['post']['verdict']}"
             )
+    out += _launch_lines(result, markdown=True)
     if result.get("scaling"):
         sc = result["scaling"]
         out += [
