@@ -52,7 +52,10 @@ def _state_tensors(arm: Arm) -> list[torch.Tensor]:
 def _launches_and_syncs(
     arm: Arm, loss_of: Any, max_norm: float, device: torch.device
 ) -> dict[str, Any]:
-    """Launches of one post-processing step and where it syncs the host (see ``_launches``)."""
+    """Launches of one post-processing step and where it syncs the host (see ``_launches``).
+
+    The arm's last use: run after every other count.
+    """
 
     def backward() -> None:
         arm.opt.zero_grad(set_to_none=True)
@@ -69,12 +72,16 @@ def _launches_and_syncs(
         out["host_sync_post"] = out["host_sync_clip"] = "n/a"  # nothing to sync with
         return out
     backward()
-    out["host_sync_post"] = host_sync(lambda: arm.post(max_norm), device)
-    backward()
     # Unscale + clip alone: an unfused optimizer's step syncs by design (torch's too).
     out["host_sync_clip"] = host_sync(lambda: arm.clip(max_norm), device)
+    if out["host_sync_clip"] is not None:  # it stopped mid-clip: the arm cannot step on
+        out["host_sync_post"] = "not run (unscale + clip synced)"
+        return out
     arm.scaler.step(arm.opt)
     arm.scaler.update()
+    backward()
+    # Last: a sync raises inside step(), which leaves this arm mid-iteration (its last use).
+    out["host_sync_post"] = host_sync(lambda: arm.post(max_norm), device)
     return out
 
 
