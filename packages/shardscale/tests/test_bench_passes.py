@@ -23,11 +23,13 @@ G = (10 * 4 + 6) * 4
 def _model(opt_name: str) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(*s)) for s in SIZES]
-    if opt_name == "sgd":
-        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=0.1, foreach=True)
-    else:
-        opt = torch.optim.Adam(params, lr=1e-2, fused=True)
-    return params, opt
+    opts: dict[str, Callable[[], torch.optim.Optimizer]] = {
+        "sgd": lambda: torch.optim.SGD(params, lr=0.1, foreach=True),
+        "sgd_fused": lambda: torch.optim.SGD(params, lr=0.1, fused=True),
+        "adam_fused": lambda: torch.optim.Adam(params, lr=1e-2, fused=True),
+        "adamw_fused": lambda: torch.optim.AdamW(params, lr=1e-2, fused=True),
+    }
+    return params, opts[opt_name]()
 
 
 def _backward(params: list[torch.nn.Parameter], scaler: object) -> None:
@@ -90,6 +92,9 @@ HAND = {
     ("ours", "sgd"): (3, 1, 1, 1),
     # statistics R; fused Adam with grad_scale reads the grad and writes it back unscaled.
     ("ours", "adam_fused"): (2, 1, 3, 3),
+    # Every fused optimizer is the apply: no multiply pass, the kernel's write-back instead.
+    ("ours", "adamw_fused"): (2, 1, 3, 3),
+    ("ours", "sgd_fused"): (2, 1, 1, 1),
 }
 
 
