@@ -175,10 +175,10 @@ def _bench_with_machine_torch(session: nox.Session, args: list[str]) -> None:
     if not any(GPU_WHEELHOUSE.glob("shardscale_core-*.whl")):
         session.log(f"no wheelhouse at {GPU_WHEELHOUSE}: building it (this step needs network)")
         _build_gpu_wheelhouse(session, python)
-    check = [python, str(ROOT / "tools" / "gpu_check.py"), "--wheelhouse", str(GPU_WHEELHOUSE),
+    check = [str(ROOT / "tools" / "gpu_check.py"), "--wheelhouse", str(GPU_WHEELHOUSE),
              "--only", "environment", "--only", "install",
              "--report", str(ROOT / ".nox" / "bench" / "install.md")]  # fmt: skip
-    session.run(*check, external=True)
+    session.run(python, *check, external=True)
     session.run(python, "-m", "shardscale.cli", "bench", *args, external=True)
 
 

@@ -89,3 +89,44 @@ def test_bench_parts_run_the_memory_tables_two_models_on_every_gpu_up_to_two() -
             assert abs(4 * (2 * w * h + w + h) - params) < 0.05e6
     run.args.quick_bench = True
     assert "--quick" in tool["bench_argv"](run, "bench (8.4M)", Path("out"))
+
+
+def _nox_functions() -> dict[str, object]:
+    """The noxfile's functions, by name, read with ``ast`` (nox itself need not be installed)."""
+    import ast
+
+    tree = ast.parse((ROOT / "noxfile.py").read_text(encoding="utf-8"))
+    return {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_bench_session_finds_the_device_argument_in_either_spelling() -> None:
+    import ast
+
+    node = _nox_functions()["_device_arg"]
+    module = ast.Module(body=[node], type_ignores=[])  # type: ignore[list-item]
+    scope: dict[str, object] = {}
+    exec(compile(module, "noxfile.py", "exec"), scope)
+    device_arg = scope["_device_arg"]
+    assert device_arg(["--quick", "--device", "cuda"]) == "cuda"  # type: ignore[operator]
+    assert device_arg(["--device=cuda", "--quick"]) == "cuda"  # type: ignore[operator]
+    assert device_arg(["--device", "cpu"]) == "cpu"  # type: ignore[operator]
+    assert device_arg(["--quick"]) is None  # type: ignore[operator]
+    assert device_arg(["--device"]) is None  # type: ignore[operator]
+
+
+def test_bench_on_cuda_installs_nothing_into_a_venv_and_runs_the_machines_python() -> None:
+    import ast
+
+    funcs = _nox_functions()
+    gpu_path = funcs["_bench_with_machine_torch"]
+    calls = [n for n in ast.walk(gpu_path) if isinstance(n, ast.Call)]  # type: ignore[arg-type]
+    names = [ast.unparse(c.func) for c in calls]
+    assert "session.install" not in names and "_install_torch" not in names
+    runs = [c for c in calls if ast.unparse(c.func) == "session.run"]
+    assert len(runs) == 2
+    for run in runs:  # both with the machine's Python, outside the session's virtualenv
+        assert any(k.arg == "external" and ast.unparse(k.value) == "True" for k in run.keywords)
+        assert ast.unparse(run.args[0]) == "python"
+    # The bench session takes that path for --device cuda before installing anything.
+    bench = ast.unparse(funcs["bench"])  # type: ignore[arg-type]
+    assert bench.index("_bench_with_machine_torch") < bench.index("_install_torch")
