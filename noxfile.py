@@ -131,20 +131,55 @@ def bench(session: nox.Session) -> None:
     World size 2, gloo on CPU: torch's recipe, torch again (A/A), unscale_and_clip_ and
     unscale_and_clip_ with streaming statistics, interleaved in a balanced order on 1-D and 2-D
     meshes, then the scaling table. Prints the tables; writes .nox/bench/bench.{json,md,png}.
-    With ``-- --device cuda`` the step uses shardscale-triton's kernels where they are usable
-    (run again with SHARDSCALE_DISABLE_PLUGINS=shardscale-triton for ``foreach``; GPU speed of
-    the Triton kernels has not been measured yet).
+    With ``-- --device cuda`` (on a GPU machine, offline) it runs with that machine's Python,
+    torch and Triton, our wheels installed from .nox/gpu-wheelhouse: torch vs ours with the
+    device's kernels (shardscale-triton's where installed) vs ours with ``foreach``, with
+    launches per step (profiler) and host syncs (``set_sync_debug_mode("error")``).
     Extra arguments go to ``shardscale bench``, e.g. ``nox -s bench -- --quick`` or
     ``-- --from-json a.json b.json c.json --markdown`` (tables and ranges of earlier runs).
     """
+    args = list(session.posargs)
+    if not any(a == "--out" or a.startswith("--out=") for a in args):
+        args += ["--out", str(ROOT / ".nox" / "bench")]
+    if _device_arg(args) == "cuda":
+        _bench_with_machine_torch(session, args)
+        return
     _install_torch(session, os.environ.get("SHARDSCALE_TORCH", DEFAULT_TORCH))
     # The shardscale distribution carries the benchmark; its ui extra draws the chart.
     others = [d for d in _package_dirs(frameworks=False) if not d.endswith(f"{os.sep}shardscale")]
     session.install(*others, str(ROOT / "packages" / "shardscale") + "[ui]")
-    args = list(session.posargs)
-    if not any(a == "--out" or a.startswith("--out=") for a in args):
-        args += ["--out", str(ROOT / ".nox" / "bench")]
     session.run("shardscale", "bench", *args)
+
+
+def _device_arg(args: list[str]) -> str | None:
+    """The value of ``--device`` among ``shardscale bench``'s arguments, if given."""
+    for i, arg in enumerate(args):
+        if arg.startswith("--device="):
+            return arg.split("=", 1)[1]
+        if arg == "--device" and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+def _bench_with_machine_torch(session: nox.Session, args: list[str]) -> None:
+    """``shardscale bench --device cuda`` with the GPU machine's own Python, torch and Triton.
+
+    Nothing is downloaded: our wheels go in with --no-deps from .nox/gpu-wheelhouse (built
+    here when missing, which needs network), through tools/gpu_check.py's install part. The
+    Python is $SHARDSCALE_GPU_PYTHON, else the one running nox (where nox was installed
+    beside torch); the session's own virtualenv is not used.
+    """
+    import sys
+
+    python = os.environ.get("SHARDSCALE_GPU_PYTHON", sys.executable)
+    if not any(GPU_WHEELHOUSE.glob("shardscale_core-*.whl")):
+        session.log(f"no wheelhouse at {GPU_WHEELHOUSE}: building it (this step needs network)")
+        _build_gpu_wheelhouse(session, python)
+    check = [str(ROOT / "tools" / "gpu_check.py"), "--wheelhouse", str(GPU_WHEELHOUSE),
+             "--only", "environment", "--only", "install",
+             "--report", str(ROOT / ".nox" / "bench" / "install.md")]  # fmt: skip
+    session.run(python, *check, external=True)
+    session.run(python, "-m", "shardscale.cli", "bench", *args, external=True)
 
 
 @nox.session(python=PYTHON)
@@ -324,9 +359,10 @@ def gpu(session: nox.Session) -> None:
 
     Installs our wheels with --no-deps from .nox/gpu-wheelhouse (``nox -s gpu_wheelhouse``
     builds it, here, when it is missing; on a GPU machine without network bring it along),
-    checks torch/Triton/NCCL against our floors, runs the CUDA tests, the compiled Triton tests
-    (launch counts, host syncs), the kernels benchmark and ``shardscale bench --device cuda``,
-    and writes one report (default gpu-check/report.md). Never downloads; every part it skips
+    checks torch/Triton/NCCL against our floors, runs the CUDA tests (NCCL), the compiled Triton
+    tests (launch counts, host syncs), the kernels benchmark and ``shardscale bench --device
+    cuda`` on the memory table's 8.4M and 33.6M models (Triton vs foreach vs torch, launches,
+    syncs), within 27 minutes, and writes one report (default .nox/gpu-check/report.md). Never downloads; every part it skips
     is printed with the reason. Without nox: ``python tools/gpu_check.py``. Arguments go to
     the script, e.g. ``nox -s gpu -- --no-install``. Never part of CI.
     """

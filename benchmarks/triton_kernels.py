@@ -11,7 +11,9 @@ through :func:`shardscale.core.run_step`, plus torch's recipe
   after warm-up (compilation and the Triton self-check happen there);
 * kernel launches: the CUDA kernels one call issues, from ``torch.profiler``;
 * host syncs: each measured call also runs once under
-  ``torch.cuda.set_sync_debug_mode("error")``, which raises on a sync.
+  ``torch.cuda.set_sync_debug_mode("error")``, which raises on a sync
+  (both from ``shardscale.cli.bench._launches``, which ``shardscale bench``
+  uses for its own launch and sync columns).
 
 With ``--interpret`` it runs every case once on small CPU tensors through
 Triton's interpreter and measures nothing (no times, launches or syncs exist
@@ -57,31 +59,16 @@ def _time(fn: Callable[[], Any], device: str, repeats: int) -> tuple[float, floa
 
 
 def _launches(fn: Callable[[], Any], device: str) -> int:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    from shardscale.cli.bench._launches import count_launches
 
-    if device != "cuda":
-        return -1
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and "Memcpy" not in e.name)
+    return count_launches(fn, device) if device == "cuda" else -1
 
 
 def _no_sync(fn: Callable[[], Any], device: str) -> str:
-    import torch
+    from shardscale.cli.bench._launches import host_sync
 
-    if device != "cuda":
-        return "n/a"
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fn()
-        return "none"
-    except RuntimeError as exc:
-        return f"SYNC: {str(exc).splitlines()[0]}"
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    found = host_sync(fn, device)
+    return "none" if found is None else found if found == "n/a" else f"SYNC: {found}"
 
 
 def main(argv: list[str] | None = None) -> int:

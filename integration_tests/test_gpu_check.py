@@ -12,8 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "gpu_check.py"
-CUDA_PARTS = ["cuda tests", "triton tests", "kernels benchmark", "bench (triton)",
-              "bench (foreach)"]  # fmt: skip
+CUDA_PARTS = ["cuda tests", "triton tests", "kernels benchmark", "bench (8.4M)",
+              "bench (33.6M)"]  # fmt: skip
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -56,3 +56,77 @@ def test_an_empty_wheelhouse_fails_install_and_runs_nothing_after(tmp_path: Path
     assert "nox -s gpu_wheelhouse" in proc.stdout
     for part in ["doctor", *CUDA_PARTS]:
         assert f"skipped {part}: not run: install failed" in proc.stdout, (part, proc.stdout)
+
+
+@pytest.mark.timeout(120)
+def test_only_runs_the_parts_named_and_says_why_the_others_did_not_run(tmp_path: Path) -> None:
+    proc = _run("--only", "environment", "--report", str(tmp_path / "r.md"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[ok  ] environment" in proc.stdout, proc.stdout
+    for part in ["install", "doctor", *CUDA_PARTS]:
+        assert f"skipped {part}: not in --only" in proc.stdout, (part, proc.stdout)
+    assert "1 parts ok, 0 failed, 7 skipped" in proc.stdout, proc.stdout
+
+
+def test_bench_parts_run_the_memory_tables_two_models_on_every_gpu_up_to_two() -> None:
+    import argparse
+    import runpy
+
+    tool = runpy.run_path(str(SCRIPT))
+    run = tool["Run"](argparse.Namespace(python="py", budget=60.0, quick_bench=False))
+    for gpus, world, meshes in ((["H100"], "1", "1d"), (["H100"] * 8, "2", "1d,2d")):
+        run.env = {"gpus": gpus}
+        small = tool["bench_argv"](run, "bench (8.4M)", Path("out"))
+        large = tool["bench_argv"](run, "bench (33.6M)", Path("out"))
+        for argv in (small, large):
+            assert argv[argv.index("--device") + 1] == "cuda"
+            assert argv[argv.index("--world-size") + 1] == world
+            assert argv[argv.index("--meshes") + 1] == meshes
+            assert "--quick" not in argv
+        # 4 blocks of width w and hidden h: 4 * (2wh + w + h) parameters.
+        for argv, params in ((small, 8.4e6), (large, 33.6e6)):
+            w, h = int(argv[argv.index("--width") + 1]), int(argv[argv.index("--hidden") + 1])
+            assert abs(4 * (2 * w * h + w + h) - params) < 0.05e6
+    run.args.quick_bench = True
+    assert "--quick" in tool["bench_argv"](run, "bench (8.4M)", Path("out"))
+
+
+def _nox_functions() -> dict[str, object]:
+    """The noxfile's functions, by name, read with ``ast`` (nox itself need not be installed)."""
+    import ast
+
+    tree = ast.parse((ROOT / "noxfile.py").read_text(encoding="utf-8"))
+    return {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_bench_session_finds_the_device_argument_in_either_spelling() -> None:
+    import ast
+
+    node = _nox_functions()["_device_arg"]
+    module = ast.Module(body=[node], type_ignores=[])  # type: ignore[list-item]
+    scope: dict[str, object] = {}
+    exec(compile(module, "noxfile.py", "exec"), scope)
+    device_arg = scope["_device_arg"]
+    assert device_arg(["--quick", "--device", "cuda"]) == "cuda"  # type: ignore[operator]
+    assert device_arg(["--device=cuda", "--quick"]) == "cuda"  # type: ignore[operator]
+    assert device_arg(["--device", "cpu"]) == "cpu"  # type: ignore[operator]
+    assert device_arg(["--quick"]) is None  # type: ignore[operator]
+    assert device_arg(["--device"]) is None  # type: ignore[operator]
+
+
+def test_bench_on_cuda_installs_nothing_into_a_venv_and_runs_the_machines_python() -> None:
+    import ast
+
+    funcs = _nox_functions()
+    gpu_path = funcs["_bench_with_machine_torch"]
+    calls = [n for n in ast.walk(gpu_path) if isinstance(n, ast.Call)]  # type: ignore[arg-type]
+    names = [ast.unparse(c.func) for c in calls]
+    assert "session.install" not in names and "_install_torch" not in names
+    runs = [c for c in calls if ast.unparse(c.func) == "session.run"]
+    assert len(runs) == 2
+    for run in runs:  # both with the machine's Python, outside the session's virtualenv
+        assert any(k.arg == "external" and ast.unparse(k.value) == "True" for k in run.keywords)
+        assert ast.unparse(run.args[0]) == "python"
+    # The bench session takes that path for --device cuda before installing anything.
+    bench = ast.unparse(funcs["bench"])  # type: ignore[arg-type]
+    assert bench.index("_bench_with_machine_torch") < bench.index("_install_torch")

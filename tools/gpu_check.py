@@ -16,14 +16,19 @@ cannot be changed (a managed image, a shared cluster, no network):
    counts and ``torch.cuda.set_sync_debug_mode("error")`` included;
 6. **kernels benchmark**: ``benchmarks/triton_kernels.py``: foreach vs Triton
    vs torch's recipe, time, kernel launches, host syncs (a sync fails it);
-7. **bench (triton)** and **bench (foreach)**: ``shardscale bench --device cuda
-   --quick``, ours vs torch, with the Triton kernels and without them.
+7. **bench (8.4M)** and **bench (33.6M)**: ``shardscale bench --device cuda``
+   on the two models of the memory table, ours (with the kernels the device
+   picks: shardscale-triton's where installed) vs ours with the ``foreach``
+   kernels vs torch, with the pass-count floor, launches per step from the
+   profiler and host syncs under ``set_sync_debug_mode("error")``
+   (``--quick-bench``: the smoke-sized model instead).
 
 It writes one Markdown report (``--report``), prints every part it skipped
 and why, and exits 1 when a part failed, else 0 (a machine without CUDA runs
 1-3 and skips the rest with a reason each). Each part has a time limit and the
-whole run a budget (``--budget``, 840 s by default) so it ends within 15
-minutes on one GPU.
+whole run a budget (``--budget``, 1620 s by default) so that it ends within
+half an hour on one GPU, nearly all of it measuring. ``--only PART`` runs
+just the parts named (``nox -s bench -- --device cuda`` uses it to install).
 """
 
 from __future__ import annotations
@@ -51,11 +56,13 @@ DISTS = ["shardscale-core", "shardscale-collectives", "shardscale-clip", "shards
 TEST_DEPS = ["pytest", "pytest-timeout", "hypothesis", "pluggy"]
 TRITON_TESTS = ROOT / "packages" / "shardscale-triton" / "tests"
 PARTS = ["environment", "install", "doctor", "cuda tests", "triton tests", "kernels benchmark",
-         "bench (triton)", "bench (foreach)"]  # fmt: skip
+         "bench (8.4M)", "bench (33.6M)"]  # fmt: skip
 # Seconds each part may take at most (the budget may leave less).
 LIMITS = {"environment": 120, "install": 180, "doctor": 180, "cuda tests": 420,
-          "triton tests": 300, "kernels benchmark": 240, "bench (triton)": 240,
-          "bench (foreach)": 240}  # fmt: skip
+          "triton tests": 300, "kernels benchmark": 240, "bench (8.4M)": 420,
+          "bench (33.6M)": 420}  # fmt: skip
+# The memory table's two models (docs/benchmark.md): width and hidden size of the four blocks.
+BENCH_MODELS = {"bench (8.4M)": ("512", "2048"), "bench (33.6M)": ("1024", "4096")}
 
 # What the machine has: run in a child so that this process imports nothing of it.
 _PROBE = r"""
@@ -307,22 +314,36 @@ def kernels_benchmark(run: Run, out_dir: Path) -> Part:
     return run.add(Part(name, "ok", f"{head}; no host sync in ours", secs, table))
 
 
-def bench(run: Run, which: str, out_dir: Path) -> Part:
-    name = f"bench ({which})"
+def bench_argv(run: Run, name: str, folder: Path) -> list[str]:
+    """``shardscale bench --device cuda`` for one model of the memory table (one rank per GPU)."""
     world = 2 if len(run.env.get("gpus", [])) >= 2 else 1
-    folder = out_dir / f"bench-{which}"
-    argv = [run.python, "-m", "shardscale.cli", "bench", "--device", "cuda", "--quick",
-            "--world-size", str(world), "--meshes", "1d", "--scaling-points", "none",
+    meshes = "1d,2d" if world == 2 else "1d"
+    size = (["--quick"] if run.args.quick_bench else
+            ["--width", BENCH_MODELS[name][0], "--hidden", BENCH_MODELS[name][1]])  # fmt: skip
+    return [run.python, "-m", "shardscale.cli", "bench", "--device", "cuda", *size,
+            "--world-size", str(world), "--meshes", meshes, "--scaling-points", "none",
             "--out", str(folder)]  # fmt: skip
-    env = {"SHARDSCALE_DISABLE_PLUGINS": "shardscale-triton"} if which == "foreach" else {}
-    code, out, secs = run.child(name, argv, env=env)
+
+
+def bench(run: Run, name: str, out_dir: Path) -> Part:
+    folder = out_dir / name.replace(" ", "-").strip("()")
+    argv = bench_argv(run, name, folder)
+    code, out, secs = run.child(name, argv)
     table = folder / "bench.md"
     if code != 0 or not table.exists():
         return run.add(Part(name, "failed", "timed out" if code is None else f"exit status {code}",
                             secs, _tail(out, 40)))  # fmt: skip
-    kernels = "Triton kernels" if which == "triton" else "foreach kernels (shardscale-triton off)"
-    return run.add(Part(name, "ok", f"--quick, world size {world}, {kernels}", secs,
-                        table.read_text(encoding="utf-8")))  # fmt: skip
+    world = argv[argv.index("--world-size") + 1]
+    data = json.loads((folder / "bench.json").read_text(encoding="utf-8"))
+    # ours' unscale + clip must never sync the host (torch's recipe and an unfused step may).
+    synced = [f"{row['mesh']} {row['optimizer']} {arm}" for row in data.get("rows", [])
+              for arm, rec in row["arms"].items()
+              if arm.startswith("ours") and rec.get("host_sync_clip") not in (None, "n/a")]  # fmt: skip
+    detail = f"world size {world}; ours (device kernels), ours with foreach, torch"
+    if synced:
+        return run.add(Part(name, "failed", f"host sync in unscale_and_clip_: {', '.join(synced)}",
+                            secs, table.read_text(encoding="utf-8")))  # fmt: skip
+    return run.add(Part(name, "ok", detail, secs, table.read_text(encoding="utf-8")))
 
 
 def write_report(run: Run, path: Path) -> None:
@@ -358,11 +379,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="the Markdown report to write")  # fmt: skip
     parser.add_argument("--python", default=sys.executable,
                         help="the Python to check and install into (default: this one)")  # fmt: skip
-    parser.add_argument("--budget", type=float, default=840.0,
-                        help="seconds for the whole run (default 840)")  # fmt: skip
+    parser.add_argument("--budget", type=float, default=1620.0,
+                        help="seconds for the whole run (default 1620)")  # fmt: skip
     parser.add_argument("--skip", action="append", default=[], choices=PARTS, metavar="PART",
                         help=f"leave a part out (repeatable): {', '.join(PARTS)}")  # fmt: skip
+    parser.add_argument("--only", action="append", default=[], choices=PARTS, metavar="PART",
+                        help="run only the parts named (repeatable); the others are skipped")  # fmt: skip
+    parser.add_argument("--quick-bench", action="store_true",
+                        help="the bench parts on the smoke-sized model (--quick)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.only:
+        args.skip += [p for p in PARTS if p not in args.only]
     run = Run(args)
     report = Path(args.report).resolve()
     print(f"shardscale GPU check with {args.python}; report: {report}", flush=True)
@@ -375,16 +402,16 @@ def main(argv: list[str] | None = None) -> int:
             ("cuda tests", lambda: _pytest(run, "cuda tests", _gpu_test_files())),
             ("triton tests", lambda: _pytest(run, "triton tests", [str(TRITON_TESTS)])),
             ("kernels benchmark", lambda: kernels_benchmark(run, out_dir)),
-            ("bench (triton)", lambda: bench(run, "triton", out_dir)),
-            ("bench (foreach)", lambda: bench(run, "foreach", out_dir)),
+            ("bench (8.4M)", lambda: bench(run, "bench (8.4M)", out_dir)),
+            ("bench (33.6M)", lambda: bench(run, "bench (33.6M)", out_dir)),
         ]
         needs = {"cuda tests": _no_cuda, "triton tests": _no_triton,
-                 "kernels benchmark": _no_triton, "bench (triton)": _no_triton,
-                 "bench (foreach)": _no_cuda}  # fmt: skip
+                 "kernels benchmark": _no_triton, "bench (8.4M)": _no_cuda,
+                 "bench (33.6M)": _no_cuda}  # fmt: skip
         stop: str | None = None
         for name, step in steps:
             if name in args.skip:
-                run.skip(name, "--skip")
+                run.skip(name, "not in --only" if args.only and name not in args.only else "--skip")
             elif stop is not None:
                 run.skip(name, stop)
             elif name in needs and (reason := needs[name](run)) is not None:

@@ -159,3 +159,19 @@ def test_no_other_distribution_registers_core_kernel_names() -> None:
     owners = {i.name: i.distribution for i in get_registry().items() if i.kind == "kernels"}
     for name in ("foreach", "loop", "blas-dot"):
         assert owners.get(name) == "shardscale-core", owners
+
+
+@pytest.mark.parametrize("sizes", [(40_000, 50_000), (3, 40_000, 5)], ids=["all-dot", "mixed"])
+def test_blas_dot_flags_nonfinite_in_large_and_small_tensors(sizes: tuple[int, ...]) -> None:
+    from shardscale.core._blas_kernels import DOT_MIN_NUMEL
+
+    assert max(sizes) >= DOT_MIN_NUMEL  # at least one tensor takes the dot product
+    gen = torch.Generator().manual_seed(11)
+    ts = [torch.randn(n, generator=gen) for n in sizes]
+    ts[0][1] = math.inf  # first tensor: inf
+    ts[-1][2] = math.nan  # last tensor: nan
+    got = BlasDotKernels().tensor_norms(ts, 2.0)
+    assert math.isinf(float(got[0])) and math.isnan(float(got[-1]))
+    for x, t in list(zip(got, ts, strict=True))[1:-1]:
+        exact = float(t.double().pow(2).sum().sqrt())
+        assert abs(float(x) - exact) <= norm_rtol(t.numel(), torch.float32, 2.0) * exact

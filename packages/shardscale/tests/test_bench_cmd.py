@@ -31,6 +31,10 @@ EXPECTED = {
     ("adam_fused", "torch_aa"): (4, 2), ("adam_fused", "ours"): (2, 1),
     ("adam_fused", "ours_streaming"): (1, 1),
 }  # fmt: skip
+# Passes over gradients + parameters + optimizer state (the optimizer's own: SGD reads the grad
+# and reads+writes the parameter, 3; fused Adam also reads+writes both moments, 7): the
+# gradient passes above, plus 2 (SGD) or 6 (Adam) state passes.
+STATE = {"sgd": 2, "adam_fused": 6}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +74,11 @@ def test_quick_run_measures_every_arm(quick_run: tuple[Path, str]) -> None:
             assert all(s > 0 for s in arm["step_ms"] + arm["post_ms"])
             want = EXPECTED[(row["optimizer"], name)]
             assert (arm["grad_bytes_read"], arm["grad_bytes_written"]) == (want[0] * G, want[1] * G)
+            assert arm["passes_derived"] == want[0] + want[1] + STATE[row["optimizer"]]
+            assert isinstance(arm["pass_floor"], int) and 0 < arm["pass_floor_ratio"] <= 1
+            # On the CPU the launch counter counts dispatched ops; there are no syncs to check.
+            assert arm["launches_post"] > 0 and "aten ops" in arm["launches_counted_as"]
+            assert arm["host_sync_clip"] == arm["host_sync_post"] == "n/a"
             hooks = G if name == "ours_streaming" else 0
             assert arm["grad_bytes_read_in_backward_hooks"] == hooks
             if name.startswith("ours"):
@@ -91,6 +100,7 @@ def test_quick_run_measures_every_arm(quick_run: tuple[Path, str]) -> None:
             cold = p["arms"][arm]["cold_s"]
             assert len(cold) >= 3 and p["arms"][arm]["cold"]["min"] == min(cold)
     for word in ("A/A", "torch again (A/A)", "ours + streaming / ours", "scaling", "derived",
+                 "6.0 (floor 6 -> 0.75)", "9.0 (floor 8 -> 0.67)", "Launches per post-processing",
                  str(out / "bench.json")):  # fmt: skip
         assert word in stdout
     if have_matplotlib():

@@ -47,12 +47,17 @@ class ForeachKernels:
         acc = torch.float64 if any(t.dtype is torch.float64 for t in tensors) else torch.float32
         nonempty = [i for i, t in enumerate(tensors) if t.numel()]
         if len(nonempty) == len(tensors):
-            return torch.stack(self._tensor_norms(tensors, norm_type, acc)).to(acc)
+            return self._norm_vector(tensors, norm_type, acc)
         out = torch.zeros(len(tensors), dtype=acc, device=device)
         if nonempty:
-            norms = self._tensor_norms([tensors[i] for i in nonempty], norm_type, acc)
-            out[nonempty] = torch.stack(norms).to(acc)
+            out[nonempty] = self._norm_vector([tensors[i] for i in nonempty], norm_type, acc)
         return out
+
+    def _norm_vector(
+        self, tensors: Sequence[torch.Tensor], norm_type: float, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Each (non-empty) tensor's p-norm as one 1-D ``dtype`` tensor."""
+        return torch.stack(self._tensor_norms(tensors, norm_type, dtype)).to(dtype)
 
     def _tensor_norms(
         self, tensors: Sequence[torch.Tensor], norm_type: float, dtype: torch.dtype

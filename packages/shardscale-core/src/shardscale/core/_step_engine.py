@@ -94,7 +94,11 @@ so the declarations are checked twice:
 
 [Note: per-tensor norms without overflow]
 For p = 1 and p = 2 a tensor's norm is one read, accumulated in float32
-(float64 for float64 gradients) by the stats kernels. A float32 sum of
+(float64 for float64 gradients) by the stats kernels. A float64 2-norm
+overflows its sum of squares only above ~1.3e154; on the CPU the plain read
+is taken and only a non-finite result is read again, normalised as below
+(on an accelerator, where choosing would be a host sync, every float64
+tensor is normalised). A float32 sum of
 squares overflows only when one tensor's *scaled* 2-norm exceeds ~1.8e19
 (an unscaled norm above ~2.8e14 at scale 2^16); such a tensor reads as
 non-finite, so the step is skipped and the scale backs off until it fits,
@@ -765,10 +769,28 @@ def _tensor_norms(kernels: Any, tensors: Sequence[torch.Tensor], p: float) -> to
         return safe
     if p in (1.0, 2.0) or math.isinf(p):
         if any(t.dtype is torch.float64 for t in tensors) and p == 2.0:
+            if all(t.device.type == "cpu" for t in tensors):
+                return _float64_norms_on_cpu(kernels, tensors)
             return _normalised_norms(kernels, tensors, p)
         norms: torch.Tensor = kernels.tensor_norms(tensors, p)
         return norms
     return _normalised_norms(kernels, tensors, p)
+
+
+def _float64_norms_on_cpu(kernels: Any, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """float64 2-norms in one read, normalising again only the tensors whose sum overflowed.
+
+    A float64 sum of squares overflows only above a norm of ~1.3e154, so the plain read is
+    almost always the answer; a non-finite one (an inf/nan element, or that overflow) is read
+    again normalised. Deciding that reads the norms on the host, which costs nothing on the
+    CPU; on an accelerator it would be a host sync, so there both reads are made.
+    """
+    norms: torch.Tensor = kernels.tensor_norms(tensors, 2.0)
+    redo = [i for i, finite in enumerate(torch.isfinite(norms).tolist()) if not finite]
+    if redo:
+        again = _normalised_norms(kernels, [tensors[i] for i in redo], 2.0)
+        norms[redo] = again.to(norms.dtype)
+    return norms
 
 
 def _normalised_norms(kernels: Any, tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:

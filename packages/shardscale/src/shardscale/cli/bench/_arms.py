@@ -3,7 +3,9 @@
 ``torch`` and ``torch_aa`` run the same recipe on identical copies: their
 ratio is the noise floor (A/A). ``ours`` is ``unscale_and_clip_`` + ``step`` +
 ``update``; ``ours_streaming`` adds :class:`~shardscale.clip.StreamingStats`,
-whose hooks run inside backward and are timed there.
+whose hooks run inside backward and are timed there; ``ours_foreach`` (CUDA
+only) is ``ours`` with the ``foreach`` kernels, beside ``ours`` with the
+kernels the device picks (shardscale-triton's where installed).
 """
 
 from __future__ import annotations
@@ -53,15 +55,21 @@ class Arm:
 
     def post(self, max_norm: float) -> None:
         """Everything after backward: unscale, clip, step, update."""
+        self.clip(max_norm)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+
+    def clip(self, max_norm: float) -> None:
+        """Unscale and clip (no step): ours in one call, torch's in two."""
         if self.ours:
             from shardscale.clip import unscale_and_clip_
 
-            unscale_and_clip_(self.scaler, self.opt, max_norm, 2.0, stats=self.stream)
+            # ours_foreach: the foreach kernels beside whatever the device picks (Triton on CUDA).
+            foreach = True if self.name == "ours_foreach" else None
+            unscale_and_clip_(self.scaler, self.opt, max_norm, 2.0, foreach, stats=self.stream)
         else:
             self.scaler.unscale_(self.opt)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.scaler.step(self.opt)
-        self.scaler.update()
 
     def restream(self) -> None:
         """Replace the streaming hooks by fresh ones (registered after any hooks added since)."""

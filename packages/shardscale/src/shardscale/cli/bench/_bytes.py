@@ -17,6 +17,12 @@ gradients (their local tensors) and sees every aten op run under it:
   below 1 and whose loss scale is not 1: every real write then changes bits
   (an all-zero gradient would still hide one; the benchmark model has none).
 
+The other memory a step touches in gradient-sized passes -- parameters and
+optimizer state (:meth:`GradBytesCounter.add_state`) -- is counted beside
+it (``state_read``/``state_written``), its writes by the schema alone: an
+optimizer writes what it declares mutated, and a tiny update may leave a
+parameter's bits unchanged without having cost less.
+
 Nothing here is a formula: the counts are whatever the ops did.
 """
 
@@ -70,6 +76,15 @@ def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+def _overlap(ranges: list[tuple[int, int]], tensors: Iterable[torch.Tensor]) -> int:
+    spans = sorted(span(t) for t in tensors if t.device.type != "meta" and t.numel() > 0)
+    total = 0
+    for lo, hi in _union(spans):
+        for glo, ghi in ranges:
+            total += max(0, min(hi, ghi) - max(lo, glo))
+    return total
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().view(_INT_OF_SIZE[t.element_size()]).clone()
 
@@ -78,7 +93,9 @@ class GradBytesCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts bytes of gradient memory read and written by the aten ops run under it.
 
     ``with GradBytesCounter(grads) as c: post()`` then read :attr:`read`,
-    :attr:`written` and :attr:`by_op` (op name -> [read, written]). With
+    :attr:`written` and :attr:`by_op` (op name -> [read, written]);
+    :attr:`state_read` and :attr:`state_written` for the tensors given to
+    :meth:`add_state` (parameters, optimizer state). With
     ``active=False`` nothing is counted until :attr:`active` is set (used to
     count only inside backward hooks); :meth:`add` adds gradients later.
     """
@@ -91,6 +108,9 @@ class GradBytesCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.by_op: Counter[str] = Counter()
         self.by_op_written: Counter[str] = Counter()
         self.active = active
+        self._state: list[tuple[int, int]] = []
+        self.state_read = 0
+        self.state_written = 0
         self.add(grads)
 
     def add(self, grads: Iterable[torch.Tensor]) -> None:
@@ -98,14 +118,18 @@ class GradBytesCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         spans = [span(local_tensor(g)) for g in grads]
         self._ranges = _union(sorted(self._ranges + [s for s in spans if s[1] > s[0]]))
 
+    def add_state(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count the memory of ``tensors`` (parameters, optimizer state) as state, not gradients."""
+        spans = [span(local_tensor(t)) for t in tensors]
+        self._state = _union(sorted(self._state + [s for s in spans if s[1] > s[0]]))
+
     def overlap(self, *tensors: torch.Tensor) -> int:
         """Bytes of gradient memory inside the union of the tensors' extents (each byte once)."""
-        spans = sorted(span(t) for t in tensors if t.device.type != "meta" and t.numel() > 0)
-        total = 0
-        for lo, hi in _union(spans):
-            for glo, ghi in self._ranges:
-                total += max(0, min(hi, ghi) - max(lo, glo))
-        return total
+        return _overlap(self._ranges, tensors)
+
+    def state_overlap(self, *tensors: torch.Tensor) -> int:
+        """Bytes of state memory (:meth:`add_state`) inside the union of the tensors' extents."""
+        return _overlap(self._state, tensors)
 
     def __torch_dispatch__(
         self,
@@ -119,7 +143,7 @@ class GradBytesCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         flat = [t for v in leaves for t in _tensors(v)]
         if any(is_traceable_wrapper_subclass(t) for t in flat):
             return NotImplemented  # let DTensor run; its ops on the local shards come back here
-        if not self.active or not self._ranges:
+        if not self.active or not (self._ranges or self._state):
             return func(*args, **kwargs)
         schema = func._schema
         is_view = any(
@@ -128,17 +152,26 @@ class GradBytesCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         name = schema.name
         reads: list[torch.Tensor] = []
         mutated: list[torch.Tensor] = []
+        state_reads: list[torch.Tensor] = []
+        state_writes: list[torch.Tensor] = []
         for i, arg in enumerate(schema.arguments):
             value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
             write = arg.alias_info is not None and arg.alias_info.is_write
             overwrite_only = write and (arg.name == "out" or name in _OVERWRITE_ONLY)
             for t in _tensors(value):
+                if self._state and self.state_overlap(t):
+                    if write:
+                        state_writes.append(t)
+                    if not is_view and not overwrite_only:
+                        state_reads.append(t)
                 if not self.overlap(t):
                     continue
                 if write:
                     mutated.append(t)
                 if not is_view and not overwrite_only:
                     reads.append(t)
+        self.state_read += self.state_overlap(*state_reads)
+        self.state_written += self.state_overlap(*state_writes)
         # A tensor passed twice (dot(g, g)) is one read of its memory: count the union.
         read = self.overlap(*reads)
         before = [_bits(t) for t in mutated]

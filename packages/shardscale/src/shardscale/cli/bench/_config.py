@@ -19,7 +19,7 @@ __all__ = [
 
 #: The arms, in the order the JSON lists them. ``torch_aa`` is a second copy of torch's recipe:
 #: its ratio to ``torch`` is the noise floor of the run (the A/A line).
-ARMS = ("torch", "torch_aa", "ours", "ours_streaming")
+ARMS = ("torch", "torch_aa", "ours", "ours_streaming", "ours_foreach")
 OPTIMIZERS = ("sgd", "adam_fused")
 MESH_KINDS = ("1d", "2d")
 
@@ -62,7 +62,13 @@ class BenchConfig:
 
     def arms(self) -> tuple[str, ...]:
         """The arms this run measures."""
-        return tuple(a for a in ARMS if self.streaming or a != "ours_streaming")
+        return tuple(
+            a
+            for a in ARMS
+            if (self.streaming or a != "ours_streaming")
+            # On CUDA the device's kernels (Triton where installed) and foreach side by side.
+            and (self.device == "cuda" or a != "ours_foreach")
+        )
 
 
 def quick(cfg: BenchConfig) -> BenchConfig:

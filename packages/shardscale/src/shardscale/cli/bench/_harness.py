@@ -8,7 +8,8 @@ barrier between the two, so that all ranks start post-processing together,
 is not timed. Each rank records its own times; the slowest rank's time is
 kept per round and arm. After the timed rounds, untimed steps count
 collectives (torch's ``CommDebugMode`` for every arm, the ``counting``
-middleware for ours) and gradient bytes (``_bytes``).
+middleware for ours), gradient bytes (``_bytes``), and launches and host
+syncs of post-processing (``_launches``; syncs on CUDA only).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from shardscale.cli.bench._arms import Arm, make_arms
 from shardscale.cli.bench._bytes import GradBytesCounter, local_tensor
 from shardscale.cli.bench._config import BenchConfig, mesh_shape
+from shardscale.cli.bench._launches import count_launches, host_sync
 from shardscale.cli.bench._order import balanced_order, rounds_for
 from shardscale.cli.bench._workload import Net
 
@@ -33,6 +35,54 @@ COUNTING_MAX_NORM = 1e-6
 
 def _local_grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
+
+
+def _state_tensors(arm: Arm) -> list[torch.Tensor]:
+    """Parameters and the optimizer state of their size (Adam's moments), as local tensors."""
+    out = []
+    for param in arm.model.parameters():
+        local = local_tensor(param)
+        out.append(local)
+        for value in arm.opt.state.get(param, {}).values():
+            if isinstance(value, torch.Tensor) and local_tensor(value).numel() == local.numel():
+                out.append(local_tensor(value))
+    return out
+
+
+def _launches_and_syncs(
+    arm: Arm, loss_of: Any, max_norm: float, device: torch.device
+) -> dict[str, Any]:
+    """Launches of one post-processing step and where it syncs the host (see ``_launches``).
+
+    The arm's last use: run after every other count.
+    """
+
+    def backward() -> None:
+        arm.opt.zero_grad(set_to_none=True)
+        arm.scaler.scale(loss_of(arm)).backward()
+
+    backward()
+    out: dict[str, Any] = {
+        "launches_post": count_launches(lambda: arm.post(max_norm), device),
+        "launches_counted_as": "CUDA kernels"
+        if device.type == "cuda"
+        else "top-level aten ops (CPU: no launches)",
+    }
+    if device.type != "cuda":
+        out["host_sync_post"] = out["host_sync_clip"] = "n/a"  # nothing to sync with
+        return out
+    backward()
+    # Unscale + clip alone: an unfused optimizer's step syncs by design (torch's too).
+    out["host_sync_clip"] = host_sync(lambda: arm.clip(max_norm), device)
+    if out["host_sync_clip"] is not None:  # it stopped mid-clip: the arm cannot step on
+        out["host_sync_post"] = "not run (unscale + clip synced)"
+        return out
+    arm.scaler.step(arm.opt)
+    arm.scaler.update()
+    backward()
+    # Last: a sync raises inside step(), which leaves this arm mid-iteration (its last use).
+    out["host_sync_post"] = host_sync(lambda: arm.post(max_norm), device)
+    return out
 
 
 def _count_collectives(arm: Arm, max_norm: float) -> dict[str, Any]:
@@ -79,10 +129,13 @@ def _count_bytes(arm: Arm, loss_of: Any) -> dict[str, Any]:
     for handle in handles:
         handle.remove()
     with GradBytesCounter(_local_grads(arm.model)) as post:
+        post.add_state(_state_tensors(arm))
         arm.post(COUNTING_MAX_NORM)
     return {
         "grad_bytes_read": post.read,
         "grad_bytes_written": post.written,
+        "state_bytes_read": post.state_read,
+        "state_bytes_written": post.state_written,
         "grad_bytes_read_in_backward_hooks": hooks.read,
         "grad_bytes_by_op": {
             op: [post.by_op.get(op, 0), post.by_op_written.get(op, 0)]
@@ -169,6 +222,7 @@ def run_config(cfg: BenchConfig, mesh_kind: str, opt_name: str) -> dict[str, Any
         arm.scaler.scale(loss_for(step_after)(arm)).backward()
         rec.update(_count_collectives(arm, cfg.max_norm))
         rec.update(_count_bytes(arm, loss_for(step_after + 1)))
+        rec.update(_launches_and_syncs(arm, loss_for(step_after + 2), cfg.max_norm, device))
         out["arms"][arm.name] = rec
     out["local_grad_bytes"] = sum(g.numel() * g.element_size() for g in _local_grads(arms[0].model))
     return out

@@ -16,13 +16,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from shardscale.cli.bench._passes import floor_passes, floor_ratio
 from shardscale.cli.bench._stats import median, ratio_interval
 
 __all__ = ["analyse", "format_markdown", "format_ranges", "format_table", "sanitize", "write_json"]
 
 _METRICS = ("step", "post", "backward")
 _LABEL = {"torch": "torch", "torch_aa": "torch again (A/A)", "ours": "ours",
-          "ours_streaming": "ours + streaming stats",
+          "ours_streaming": "ours + streaming stats", "ours_foreach": "ours, foreach kernels",
           "streaming_vs_ours": "streaming / ours (not / torch)"}  # fmt: skip
 
 
@@ -50,6 +51,7 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
                 [arm["grad_bytes_read"] / local, arm["grad_bytes_written"] / local]
                 if local else None
             )  # fmt: skip
+            arm.update(_passes(arm, name, row["optimizer"], local))
             if name == "torch":
                 continue
             arm["ratio"] = {
@@ -70,6 +72,56 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
                 for m in _METRICS
             }  # fmt: skip
     return result
+
+
+def _passes(arm: dict[str, Any], name: str, optimizer: str, local: int) -> dict[str, Any]:
+    """Gradient-sized passes counted (gradients + parameters + optimizer state) and the floor."""
+    counted = None
+    if local and "state_bytes_read" in arm:  # runs before the state was counted have no passes
+        total = (arm["grad_bytes_read"] + arm["grad_bytes_written"] + arm["state_bytes_read"]
+                 + arm["state_bytes_written"])  # fmt: skip
+        counted = total / local
+    return {
+        "passes_derived": counted,
+        "pass_floor": floor_passes(name, optimizer),
+        "pass_floor_ratio": floor_ratio(name, optimizer),
+    }
+
+
+def _passes_cell(arm: dict[str, Any]) -> str:
+    """``counted (floor F -> ratio R)``; torch's floor is its own count, so only the count."""
+    counted = _num(arm.get("passes_derived"), ".1f")
+    floor, ratio = arm.get("pass_floor"), arm.get("pass_floor_ratio")
+    if floor is None or ratio is None or ratio == 1:
+        return counted
+    return f"{counted} (floor {floor} -> {_num(ratio)})"
+
+
+def _sync(value: Any) -> str:
+    return "none" if value is None else str(value)
+
+
+def _launch_lines(result: dict[str, Any], *, markdown: bool) -> list[str]:
+    """Launches and host syncs of one post-processing step per arm (see ``_launches``)."""
+    rows = [
+        r for r in result.get("rows", []) if any("launches_post" in a for a in r["arms"].values())
+    ]
+    if not rows:
+        return []
+    kinds = {a.get("launches_counted_as") for r in rows for a in r["arms"].values()} - {None}
+    out = ["", f"Launches per post-processing step ({', '.join(sorted(kinds))}) and host syncs "
+           "(set_sync_debug_mode('error'); clip = unscale + clip alone, post = with step and update):"]  # fmt: skip
+    if markdown:
+        out += ["", "| mesh | optimizer | arm | launches | host sync in clip | host sync in post |",
+                "| --- | --- | --- | ---: | --- | --- |"]  # fmt: skip
+    for row in rows:
+        for name, arm in row["arms"].items():
+            if "launches_post" not in arm:
+                continue
+            cells = [_mesh(row), row["optimizer"], _LABEL.get(name, name), str(arm["launches_post"]),
+                     _sync(arm.get("host_sync_clip")), _sync(arm.get("host_sync_post"))]  # fmt: skip
+            out.append("| " + " | ".join(cells) + " |" if markdown else "  " + "; ".join(cells))
+    return out
 
 
 def sanitize(value: Any) -> Any:
@@ -148,7 +200,9 @@ def _heading(result: dict[str, Any]) -> list[str]:
         "when its interval excludes 1",
         "coll. = collectives per step (ours: counting middleware, torch: CommDebugMode); grad "
         "MiB R/W = gradient memory read/written by post + step, counted per aten op on rank "
-        f"{row0.get('counts_from_rank', 0)}",
+        f"{row0.get('counts_from_rank', 0)}; passes = gradient-sized reads + writes of "
+        "gradients, parameters and optimizer state, counted the same way; floor = the fewest "
+        "for that recipe (docs/benchmark.md), -> its ratio to torch's passes",
     ]
 
 
@@ -162,7 +216,7 @@ def format_table(result: dict[str, Any]) -> str:
     if result.get("rows"):
         head = (f"{'mesh':<16}{'optimizer':<12}{'arm':<24}{'step ms':>9}  {'step ratio [95% CI]':<22}"
                 f"{'verdict':<24}{'post ms':>9}  {'post ratio [95% CI]':<22}{'verdict':<24}"
-                f"{'coll.':>6}  grad MiB R/W")  # fmt: skip
+                f"{'coll.':>6}  {'passes (floor -> ratio)':<26}grad MiB R/W")  # fmt: skip
         lines += [head, "-" * len(head)]
         for row in result["rows"]:
             for name, arm in row["arms"].items():
@@ -172,7 +226,7 @@ def format_table(result: dict[str, Any]) -> str:
                     f"{_num(arm['median_ms']['step'], '.1f'):>9}  {_ci(r and r['step']):<22}"
                     f"{_verdict(r and r['step']):<24}{_num(arm['median_ms']['post'], '.2f'):>9}  "
                     f"{_ci(r and r['post']):<22}{_verdict(r and r['post']):<24}"
-                    f"{arm['collectives']:>6}  {_bytes(arm)}"
+                    f"{arm['collectives']:>6}  {_passes_cell(arm):<26}{_bytes(arm)}"
                 )
         lines += ["", "A/A (torch against itself, the noise floor of this run):"]
         for row in result["rows"]:
@@ -193,6 +247,7 @@ def format_table(result: dict[str, Any]) -> str:
                     f"{sv['step']['verdict']}, backward {_ci(sv['backward'])} "
                     f"{sv['backward']['verdict']}, post {_ci(sv['post'])} {sv['post']['verdict']}"
                 )
+    lines += _launch_lines(result, markdown=False)
     if result.get("scaling"):
         lines += ["", *_scaling_lines(result["scaling"])]
     return "\n".join(lines)
@@ -240,8 +295,8 @@ def format_markdown(result: dict[str, Any]) -> str:
     if result.get("rows"):
         out += [
             "| mesh | optimizer | arm | step ms | step ratio [95 % CI] | post ms | post ratio [95 % CI] "
-            "| collectives / step | grad MiB read/written |",
-            "| --- | --- | --- | ---: | --- | ---: | --- | ---: | --- |",
+            "| collectives / step | passes / step (floor -> ratio) | grad MiB read/written |",
+            "| --- | --- | --- | ---: | --- | ---: | --- | ---: | --- | --- |",
         ]
         for row in result["rows"]:
             for name, arm in row["arms"].items():
@@ -252,7 +307,7 @@ def format_markdown(result: dict[str, Any]) -> str:
                     f"| {_mesh(row)} | {row['optimizer']} | {_LABEL.get(name, name)} | "
                     f"{_num(arm['median_ms']['step'], '.1f')} | {step} | "
                     f"{_num(arm['median_ms']['post'], '.2f')} | {post} | {arm['collectives']} | "
-                    f"{_bytes(arm)} |"
+                    f"{_passes_cell(arm)} | {_bytes(arm)} |"
                 )
     vs_rows = [row for row in result.get("rows", []) if _VS in row]
     if vs_rows:
@@ -264,6 +319,7 @@ def format_markdown(result: dict[str, Any]) -> str:
                 f"{sv['step']['verdict']}; backward {_ci(sv['backward'])}; post {_ci(sv['post'])} "
                 f"{sv['post']['verdict']}"
             )
+    out += _launch_lines(result, markdown=True)
     if result.get("scaling"):
         sc = result["scaling"]
         out += [

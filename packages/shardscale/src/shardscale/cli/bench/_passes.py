@@ -1,0 +1,59 @@
+"""Gradient-sized passes per step, counted, and the floor they are judged against.
+
+[Note: the pass-count floor]
+A *pass* is one read or one write of as many bytes as this rank's local
+gradients (parameters and Adam's two moments are the same size), so a step's
+memory work, optimizer included, is a number of passes:
+
+* the optimizer's own: SGD (foreach, no momentum) reads the gradient and reads
+  and writes the parameter, 3; Adam reads the gradient and reads and writes
+  the parameter and both moments, 7;
+* torch's recipe adds unscale (R+W), the norm (R) and the clip multiply
+  (R+W): 5 more, so 8 (SGD) / 12 (Adam);
+* the floor for one read of statistics is that read plus the optimizer, plus
+  one R+W multiply where the optimizer cannot take the coefficient itself
+  (``fused=True`` optimizers take ``grad_scale``): 6 (SGD) / 8 (Adam), so a
+  post-processing time of 0.75 / 0.67 of torch's where memory bound;
+* with statistics streamed in backward the read leaves post-processing:
+  5 / 7 (0.62 / 0.58), plus the read in the hooks.
+
+torch's fused Adam kernel writes each gradient back, divided by
+``grad_scale``, when it is given one (the CPU and the CUDA kernel alike), so
+with torch's kernel ours counts one pass above that floor: 9 (8 streamed).
+The benchmark prints the passes it counted (``GradBytesCounter``, gradients
+plus parameters and optimizer state) beside the floor and the measured ratio.
+"""
+
+from __future__ import annotations
+
+__all__ = ["FUSED", "OPTIMIZER_PASSES", "floor_passes", "floor_ratio"]
+
+#: Passes of the optimizer's own step over gradient, parameter and state memory.
+OPTIMIZER_PASSES = {"sgd": 3, "adam_fused": 7}
+#: Whether the benchmark's optimizer takes ``grad_scale``/``found_inf`` itself.
+FUSED = {"sgd": False, "adam_fused": True}
+#: torch's unscale (R+W), norm (R) and clip multiply (R+W).
+_TORCH_EXTRA = 5
+
+
+def floor_passes(arm: str, optimizer: str) -> int | None:
+    """The passes of post-processing for ``arm`` at its floor (torch's recipe: what it does).
+
+    ``None`` for an optimizer or arm this table does not know.
+    """
+    own = OPTIMIZER_PASSES.get(optimizer)
+    if own is None:
+        return None
+    if arm.startswith("torch"):
+        return _TORCH_EXTRA + own
+    if not arm.startswith("ours"):
+        return None
+    multiply = 0 if FUSED[optimizer] else 2
+    read = 0 if "streaming" in arm else 1
+    return read + multiply + own
+
+
+def floor_ratio(arm: str, optimizer: str) -> float | None:
+    """The floor's passes over torch's: the post-processing ratio if memory bound."""
+    mine, torch_s = floor_passes(arm, optimizer), floor_passes("torch", optimizer)
+    return None if mine is None or torch_s is None else mine / torch_s
