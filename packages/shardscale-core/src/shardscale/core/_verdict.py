@@ -269,15 +269,15 @@ def decide(
     the reduced vector; ``norm`` the step's global norm (None: no spike test).
     Without a ``verdict`` (a clip call) only errors and non-finite gradients count.
     """
-    reason = torch.zeros((), dtype=torch.int64, device=error.device)
+    # In increasing precedence, each overrides the ones before.
+    reason: torch.Tensor | int = 0
     kind = SkipReason.NONFINITE
     if verdict is not None:
         kind = verdict.nonfinite_reason
         if verdict.spike is not None and norm is not None:
             spike = verdict.spike.is_spike(norm).to(error.device)
-            reason = torch.where(spike, int(SkipReason.SPIKE), reason)
+            reason = torch.where(spike, int(SkipReason.SPIKE), 0)
         reason = torch.where(loss_nonfinite, int(SkipReason.LOSS), reason)
-    # In increasing precedence, each overrides the ones before.
     reason = torch.where(nonfinite, int(kind), reason)
     reason = torch.where(error, int(SkipReason.ERROR), reason)
     return (reason > 0).to(torch.float32), reason
