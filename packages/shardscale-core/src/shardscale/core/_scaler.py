@@ -1331,6 +1331,13 @@ class ShardedGradScaler:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # A scaler pickled before the verdict's options existed: torch's behaviour.
+        for name, value in (("_loss_scaling", True), ("_check_loss", False), ("_spike", None)):
+            state.setdefault(name, value)
+        state.setdefault("_spike_window", None)
+        state.setdefault("_streak", SkipStreak(None))
+        state.setdefault("_loss_flag", None)
+        state.setdefault("_last_reason", None)
         self.__dict__.update(state)
         # id()s do not survive a copy: take them again from the (copied) declared parameters.
         self._distinct_params = frozenset(id(p) for p in self._distinct_refs)
