@@ -8,7 +8,8 @@ the same model on the whole batch in its own process, which decides with the
 rules written here (a non-finite norm skips; the spike rule with Python's
 ``statistics`` over its own accepted norms) and steps only on the steps it
 takes. The event -- a nan, or a gradient spike -- is injected on ONE rank: a
-pipeline stage that never sees the loss, or one expert shard.
+pipeline stage that never sees the loss, or one expert shard; or the last
+stage, the only one holding a loss, observes a non-finite one.
 
 Also: the spike window after a ``torch.distributed.checkpoint`` resume equals
 the uninterrupted run's, and a streak of skips stops every rank at the same
@@ -123,6 +124,7 @@ def verdict_case(name: str, event: str) -> dict[str, Any]:
         grads = [p.grad for p in ref.parameters() if p.grad is not None]
         ref_norm = float(torch.nn.utils.get_total_norm(grads))
         skip = not math.isfinite(ref_norm) or reference_is_spike(ref_norm, accepted, SPIKE)
+        skip = skip or (hit and event == "loss")  # the reference's loss was not finite
         if not skip:
             accepted.append(ref_norm)
             torch.nn.utils.clip_grad_norm_(ref.parameters(), pe.MAX_NORM)
@@ -132,7 +134,10 @@ def verdict_case(name: str, event: str) -> dict[str, Any]:
         # Ours: the event on one rank only.
         opt.zero_grad(set_to_none=True)
         setup.forward_backward(scaler, x, y)
-        if hit and rank == setup.poison_rank:
+        if hit and event == "loss" and getattr(setup, "is_last", False):
+            # Only the last stage holds the loss; the others add 0 to the vector's slot.
+            scaler.observe_loss(torch.tensor(math.inf))
+        elif hit and rank == setup.poison_rank:
             if event == "nan":
                 _nan_first(setup.params())
             else:
@@ -156,6 +161,7 @@ def verdict_case(name: str, event: str) -> dict[str, Any]:
 
 CASES = [
     ("pp", "spike"),  # a stage that never sees the loss
+    ("pp", "loss"),  # a non-finite loss, held by the last stage only
     ("ep", "spike"),  # one DTensor expert shard
     ("ep_plain", "spike"),  # one rank's plain experts (distinct_params)
     ("pp_fsdp", "nan"),  # FSDP2 inside the first stage, on its dp rank 0
@@ -168,7 +174,7 @@ def test_every_rank_decides_as_the_reference(pool4: Pool, name: str, event: str)
     results: list[dict[str, Any]] = pool4.run(verdict_case, name, event)  # type: ignore[assignment]
     first = results[0]
     world = len(results)
-    want = SkipReason.SPIKE if event == "spike" else SkipReason.NONFINITE
+    want = {"spike": SkipReason.SPIKE, "nan": SkipReason.NONFINITE, "loss": SkipReason.LOSS}[event]
     # Norms of gradients that agree to rounding, summed in different orders (as in
     # test_pipeline_expert): twice the norm bound plus one rounding per summed row.
     bound = (
