@@ -42,6 +42,7 @@ from shardscale.core._errors import (
     PluginNotFoundError,
     ShardscaleError,
 )
+from shardscale.core._host_copy import HostCopy
 from shardscale.core._step_vector import VectorLayout
 
 if TYPE_CHECKING:
@@ -133,52 +134,36 @@ class ErrorBlocks:
     no second copy; elsewhere they are read where they are.
     """
 
-    __slots__ = ("_blocks", "_event", "_flags", "flags", "layout")
+    __slots__ = ("_blocks", "_flags", "flags", "layout")
 
     def __init__(self, vector: torch.Tensor, layout: VectorLayout) -> None:
         self.layout = layout
-        blocks = vector[layout.host_read()]
         prints = [vector[layout.block(name)] for name in ("chain", "declarations")]
         #: On the device: (failing ranks, chains differ, declarations differ), float64.
         self.flags = torch.stack(
             [(vector[layout.block("error")] != 0).sum().to(torch.float64)]
             + [(p.amax() != p.amin()).to(torch.float64) for p in prints]
         )
-        self._event: Any = None
-        if blocks.device.type == "cpu":
-            self._blocks, self._flags = blocks, self.flags
-            return
-        on_gpu = blocks.device.type == "cuda"
-        self._blocks = torch.empty(blocks.numel(), dtype=blocks.dtype, pin_memory=on_gpu)
-        self._flags = torch.empty(3, dtype=torch.float64, pin_memory=on_gpu)
-        self._flags.copy_(self.flags, non_blocking=on_gpu)
-        self._blocks.copy_(blocks, non_blocking=on_gpu)
-        if on_gpu:
-            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._event.record()
+        # Flags first, blocks second: once the blocks' copy has landed, so have the flags.
+        self._flags = HostCopy(self.flags)
+        self._blocks = HostCopy(vector[layout.host_read()])
 
     @property
     def on_device(self) -> bool:
         """Whether the copy is asynchronous (an accelerator's vector)."""
-        return self._event is not None
+        return self._blocks.on_device
 
     def arrived(self) -> bool:
         """Whether the copy is done (always, off the GPU)."""
-        return self._event is None or bool(self._event.query())
-
-    def _ready(self, *, wait: bool) -> bool:
-        if self._event is not None:
-            if not wait and not self._event.query():
-                return False
-            self._event.synchronize()
-        return True
+        return self._blocks.arrived()
 
     def read_flags(self, *, wait: bool) -> tuple[int, bool, bool] | None:
         """(failing ranks, chains differ, declarations differ), or None if not ``wait`` and the
         copy is still on its way."""
-        if not self._ready(wait=wait):
+        got = self._flags.read(wait=wait)
+        if got is None:
             return None
-        failing, chains, declarations = self._flags.tolist()
+        failing, chains, declarations = got
         return int(failing), bool(chains), bool(declarations)
 
     def read(self, *, wait: bool) -> dict[str, list[float]] | None:
@@ -186,9 +171,9 @@ class ErrorBlocks:
 
         W numbers per block: for the failure path (:meth:`read_flags` first).
         """
-        if not self._ready(wait=wait):
+        values = self._blocks.read(wait=wait)
+        if values is None:
             return None
-        values: list[float] = self._blocks.tolist()
         w = self.layout.world
         return {name: values[i * w : (i + 1) * w] for i, name in enumerate(self.layout.HOST_READ)}
 
