@@ -137,6 +137,21 @@ def test_grad_scaler_kwargs_handler_and_options_build_the_scaler() -> None:
     assert not use_shardscale(_fresh(mixed_precision="bf16")).is_enabled()
 
 
+@pytest.mark.parametrize("precision", ["bf16", "no", "fp16"])
+def test_loss_scaling_false_enables_the_guard_on_any_precision(precision: str) -> None:
+    from shardscale.core import SpikeSkip
+
+    spike = SpikeSkip()
+    scaler = use_shardscale(
+        _fresh(mixed_precision=precision), loss_scaling=False, spike=spike, check_loss=True
+    )
+    assert scaler.is_enabled() and not scaler.loss_scaling and scaler.get_scale() == 1.0
+    assert scaler.spike is spike
+    # enabled=False still wins when asked for.
+    off = use_shardscale(_fresh(mixed_precision=precision), loss_scaling=False, enabled=False)
+    assert not off.is_enabled()
+
+
 def _fresh(**kw: Any) -> Accelerator:
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()

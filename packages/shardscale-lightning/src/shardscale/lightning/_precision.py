@@ -88,7 +88,7 @@ def _check_guard_only(precision: str, scaler: object, options: dict[str, Any]) -
     scaler's other policies (``spike=``, ``check_loss=``, ``max_consecutive_skips=``).
     """
     if scaler is not None:
-        if getattr(scaler, "loss_scaling", True):
+        if not isinstance(scaler, ShardedGradScaler) or scaler.loss_scaling:
             raise ValueError(
                 f"precision={precision!r} does not scale the loss, so its scaler must be built "
                 "with loss_scaling=False (the skip guard without scaling), or pass the options "
