@@ -36,7 +36,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from shardscale.core import CompletedHandle, ReduceOp, ShardedGradScaler
+from shardscale.core import CompletedHandle, ReduceOp, ShardedGradScaler, VectorLayout
 
 EXAMPLES = int(os.environ.get("SHARDSCALE_HYPOTHESIS_EXAMPLES", "120"))
 N_PARAMS = 4
@@ -295,7 +295,7 @@ class _TwoIdenticalRanks:
     Not a mock of the scaler: a real (if tiny) backend through which the scaler's own
     reduction runs, as it would with a second rank that saw exactly what this one saw. The
     step's vector (docs/step-engine.md) has one slot per rank in each of its blocks and one
-    shared count at the end: the peer fills its slots as this rank did, and adds its count.
+    shared values at the end (``VectorLayout``): the peer fills its slots as this rank did, and adds its count.
     """
 
     name: ClassVar[str] = "two-identical-ranks"
@@ -303,9 +303,10 @@ class _TwoIdenticalRanks:
     def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp, group: Any) -> CompletedHandle:
         assert op == ReduceOp.SUM
         world = self.world_size(group)
-        blocks = tensor[:-1].view(-1, world)
+        per_rank = len(VectorLayout.PER_RANK) * world
+        blocks = tensor[:per_rank].view(-1, world)
         blocks[:, 1] = blocks[:, 0]
-        tensor[-1] *= world
+        tensor[per_rank:] *= world  # the shared values: the peer adds what this rank did
         return CompletedHandle()
 
     def world_size(self, group: Any) -> int:

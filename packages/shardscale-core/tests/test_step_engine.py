@@ -323,7 +323,8 @@ def test_the_reduced_vector_note_names_the_layouts_blocks_in_order() -> None:
     assert covered == list(range(len(VectorLayout.PER_RANK) * w))
     starts = [layout.block(name).start for name in VectorLayout.PER_RANK]
     assert starts == sorted(starts) and len(set(starts)) == len(starts)
-    assert layout.shared("nan") == layout.size - 1
+    shared = [layout.shared(name) for name in VectorLayout.SHARED]
+    assert shared == list(range(len(VectorLayout.PER_RANK) * w, layout.size))
 
 
 def test_errors_are_classified_by_type_not_by_message() -> None:

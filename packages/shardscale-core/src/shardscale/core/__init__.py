@@ -21,8 +21,11 @@ from shardscale.core._contract import (
     check_distinct_dims,
     check_error_if_nonfinite,
     check_kernels,
+    check_loss_scaling,
+    check_max_consecutive_skips,
     check_max_norm,
     check_norm_type,
+    check_spike,
     distinct_param_ids,
     kernels_name,
     nonfinite_norm_error,
@@ -38,6 +41,7 @@ from shardscale.core._errors import (
     PluginNotFoundError,
     PluginWarning,
     ShardscaleError,
+    SkipStreakError,
 )
 from shardscale.core._foreach_kernels import ForeachKernels
 from shardscale.core._gradients import GradBuckets, collect_grads, optimizer_params
@@ -99,12 +103,17 @@ from shardscale.core._step_engine import (
     run_step,
 )
 from shardscale.core._step_vector import VectorLayout
+from shardscale.core._verdict import SkipReason, SpikeSkip
 
 __all__ = [
     # the scaler
     "ShardedGradScaler",
     "OptState",
     "OverflowReport",
+    # why a step is skipped: the verdict's policies and reasons (docs/skipped-steps.md)
+    "SkipReason",
+    "SpikeSkip",
+    "SkipStreakError",
     # consumers of the skip signal: schedules and averaged weights that hold on skipped steps
     "SkipSource",
     "SkipAwareScheduler",
@@ -144,6 +153,9 @@ __all__ = [
     "check_kernels",
     "kernels_name",
     "check_distinct_dims",
+    "check_loss_scaling",
+    "check_spike",
+    "check_max_consecutive_skips",
     "nonfinite_norm_error",
     # registry
     "Registry",

@@ -15,6 +15,7 @@ __all__ = [
     "ObserverSettingError",
     "GradientDtypeError",
     "DeclarationError",
+    "SkipStreakError",
     "PluginWarning",
 ]
 
@@ -61,6 +62,23 @@ class GradientDtypeError(ShardscaleError, TypeError):
 class DeclarationError(ShardscaleError, ValueError):
     """A ``distinct_dims``/``distinct_params`` declaration that does not fit the step's
     parameters, or that differs between the ranks of one step."""
+
+
+class SkipStreakError(ShardscaleError):
+    """Too many consecutive optimizer steps were skipped (``max_consecutive_skips``).
+
+    Raised on every rank by ``ShardedGradScaler.update()`` (at the latest by the
+    scaler's next call, one step later on an accelerator) once the streak of
+    skipped steps reaches the limit. ``step`` is the scaler step that reached
+    it, ``streak`` how many consecutive steps were skipped, ``reasons`` the
+    ``SkipReason`` values seen in the streak.
+    """
+
+    def __init__(self, message: str, *, step: int, streak: int, reasons: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.streak = streak
+        self.reasons = reasons
 
 
 class PluginWarning(UserWarning):

@@ -212,6 +212,8 @@ class StepRecord:
     (1-D, one entry per rank of the scaler's process group) counts the local
     gradients that held inf/nan on each rank, read from the step's all-reduce
     (see ``StepResult.nonfinite_ranks``); ``None`` when no step engine ran.
+    ``skipped`` is the step's verdict, for any reason; ``found_inf`` only a
+    non-finite gradient (what backs the scale off); ``skip_reason`` says why.
     """
 
     step: int
@@ -222,3 +224,6 @@ class StepRecord:
     grad_norm: torch.Tensor | None = None
     hysteresis_tracker: torch.Tensor | None = None
     nonfinite_per_rank: torch.Tensor | None = None
+    #: Why the step was skipped: a 0-dim int64 tensor holding a ``SkipReason`` value
+    #: (0, ``NONE``: taken); ``None`` from code that does not set it.
+    skip_reason: torch.Tensor | None = None

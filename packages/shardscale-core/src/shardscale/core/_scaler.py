@@ -38,8 +38,11 @@ from shardscale.core._clipping import clip_parameters_
 from shardscale.core._contract import (
     check_distinct_dims,
     check_kernels,
+    check_loss_scaling,
+    check_max_consecutive_skips,
     check_max_norm,
     check_norm_type,
+    check_spike,
     distinct_param_ids,
     kernels_name,
 )
@@ -55,6 +58,7 @@ from shardscale.core._scaler_values import (
     scale_floor,
     validate_backoff_factor,
     validate_bounds,
+    validate_fixed_scale_options,
     validate_growth_factor,
     validate_growth_interval,
     validate_hysteresis,
@@ -69,6 +73,14 @@ from shardscale.core._step_engine import (
     StepResult,
     poll_errors,
     run_step,
+)
+from shardscale.core._verdict import (
+    SkipReason,
+    SkipStreak,
+    SpikeSkip,
+    SpikeWindow,
+    Verdict,
+    validate_spike_state,
 )
 
 if TYPE_CHECKING:
@@ -89,12 +101,16 @@ class _OptimizerState(dict[str, Any]):
     gradients scaled.
     """
 
-    __slots__ = ("grad_scale", "pending")
+    __slots__ = ("grad_scale", "overflow", "pending", "reason")
 
     def __init__(self) -> None:
         super().__init__(stage=OptState.READY, found_inf_per_device={})
         self.grad_scale: torch.Tensor | None = None
         self.pending: StepResult | None = None
+        #: The step's non-finite-gradient flag (what backs the scale off) and its SkipReason;
+        #: ``found_inf_per_device`` holds the verdict the optimizer obeys (any reason).
+        self.overflow: torch.Tensor | None = None
+        self.reason: torch.Tensor | None = None
 
     def __getitem__(self, key: str) -> Any:
         if key == "found_inf_per_device":
@@ -117,9 +133,15 @@ class _OptimizerState(dict[str, Any]):
     def stage(self, value: OptState) -> None:
         self["stage"] = value
 
+    def record_verdict(self, result: StepResult) -> None:
+        """Store a step's verdict: the skip flag the optimizer obeys, the overflow, the reason."""
+        skip = result.skip if result.skip is not None else result.found_inf
+        self["found_inf_per_device"] = {skip.device: skip}
+        self.overflow, self.reason = result.found_inf, result.skip_reason
+
     def record(self, result: StepResult, grad_scale: torch.Tensor | None) -> None:
         """Store a step's reduced decision; the optimizer is UNSCALED from now on."""
-        self["found_inf_per_device"] = {result.found_inf.device: result.found_inf}
+        self.record_verdict(result)
         self.grad_scale = grad_scale
         self.stage = OptState.UNSCALED
         self.pending = result if result._complete is not None else None
@@ -182,6 +204,20 @@ class ShardedGradScaler:
             ``state_dict``; a pickled or deep-copied scaler refers to the
             copies of these parameters only when its model is copied with it.
         registry: the plugin registry (default: the process-wide one).
+        loss_scaling: ``False`` for bf16/fp32 training: the scale stays 1
+            (``scale(loss)`` returns the loss unchanged, ``update()`` neither
+            grows nor backs off) and a non-finite gradient on any rank still
+            skips the step on every rank. Scaling options other than the
+            defaults are refused then.
+        spike: a :class:`~shardscale.core.SpikeSkip` to skip steps whose global
+            gradient norm is a spike (docs/skipped-steps.md); its window of
+            accepted norms is in ``state_dict()``. One optimizer per iteration.
+        max_consecutive_skips: raise :class:`~shardscale.core.SkipStreakError`
+            on every rank once this many steps in a row were skipped (for any
+            reason); ``None`` never.
+        check_loss: ``scale(loss)`` also records whether the loss is finite;
+            a non-finite loss on any rank skips the step on every rank (see
+            :meth:`observe_loss`).
     """
 
     _device: str
@@ -215,6 +251,13 @@ class ShardedGradScaler:
     _chain_verified: bool
     _optimizers: weakref.WeakSet[torch.optim.Optimizer]
     _optimizers_known: bool
+    _loss_scaling: bool
+    _check_loss: bool
+    _spike: SpikeSkip | None
+    _spike_window: SpikeWindow | None
+    _streak: SkipStreak
+    _loss_flag: torch.Tensor | None
+    _last_reason: torch.Tensor | None
 
     def __init__(
         self,
@@ -234,9 +277,34 @@ class ShardedGradScaler:
         distinct_dims: Iterable[str] = (),
         distinct_params: Iterable[torch.Tensor] = (),
         registry: Registry | None = None,
+        loss_scaling: bool = True,
+        spike: SpikeSkip | None = None,
+        max_consecutive_skips: int | None = None,
+        check_loss: bool = False,
     ) -> None:
         if not isinstance(device, str):
             device = torch.device(device).type  # accept torch.device too
+        # The verdict's options (see [Note: the verdict] in _verdict), checked before anything.
+        self._loss_scaling = check_loss_scaling(loss_scaling)
+        if not self._loss_scaling:
+            validate_fixed_scale_options(
+                init_scale=init_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+                min_scale=min_scale,
+                max_scale=max_scale,
+            )
+            init_scale = 1.0
+        self._spike = check_spike(spike)
+        self._streak = SkipStreak(check_max_consecutive_skips(max_consecutive_skips))
+        if not isinstance(check_loss, bool):
+            raise TypeError(f"check_loss must be True or False, got {check_loss!r}")
+        self._check_loss = check_loss
+        self._spike_window = SpikeWindow(self._spike) if self._spike is not None else None
+        self._loss_flag: torch.Tensor | None = None
+        self._last_reason: torch.Tensor | None = None
         self._device = device
         self._enabled = bool(enabled)
         if device == "cuda" and self._enabled and not torch.cuda.is_available():
@@ -375,6 +443,10 @@ class ShardedGradScaler:
         self._hysteresis_tracker = torch.full(
             (), self._init_hysteresis_tracker, dtype=torch.int32, device=dev
         )
+        # The verdict's device state lives beside the scale.
+        if self._spike_window is not None:
+            self._spike_window.materialize(dev)
+        self._streak.materialize(dev)
 
     # -- scale ---------------------------------------------------------------------------------
 
@@ -395,6 +467,10 @@ class ShardedGradScaler:
             if self._scale is None:
                 self._lazy_init_scale_growth_tracker(outputs.device)
             assert self._scale is not None
+            if self._check_loss:
+                self.observe_loss(outputs)
+            if not self._loss_scaling:
+                return outputs  # the scale is 1: the loss itself, no multiply
             return outputs * self._scale.to(device=outputs.device, non_blocking=True)
         if isinstance(outputs, (str, bytes)) or not isinstance(outputs, Iterable):
             raise TypeError(
@@ -407,6 +483,10 @@ class ShardedGradScaler:
                 if self._scale is None:
                     self._lazy_init_scale_growth_tracker(val.device)
                 assert self._scale is not None
+                if self._check_loss:
+                    self.observe_loss(val)
+                if not self._loss_scaling:
+                    return val
                 if val.device not in cache:
                     cache[val.device] = self._scale.to(device=val.device, non_blocking=True)
                 return val * cache[val.device]
@@ -417,6 +497,29 @@ class ShardedGradScaler:
             raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
         return apply(outputs)
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Record whether ``loss`` is finite: a non-finite loss on any rank skips the step everywhere.
+
+        ``scale(loss)`` calls it when the scaler was built with
+        ``check_loss=True``; call it yourself where the loss is not scaled.
+        No host read: the flag rides in the step's one all-reduce (ranks that
+        hold no loss, such as the first stages of a pipeline, add nothing).
+        Several calls in one iteration (gradient accumulation) combine: any
+        non-finite loss skips. Reset by ``update()``.
+        """
+        if not self._enabled:
+            return
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"observe_loss() takes the loss tensor, got {type(loss).__name__}")
+        flag = ~torch.isfinite(loss.detach()).all()
+        self._loss_flag = (
+            flag if self._loss_flag is None else self._loss_flag | flag.to(self._loss_flag.device)
+        )
+
+    def _verdict(self) -> Verdict:
+        reason = SkipReason.OVERFLOW if self._loss_scaling else SkipReason.NONFINITE
+        return Verdict(nonfinite_reason=reason, spike=self._spike_window)
 
     # -- unscale -------------------------------------------------------------------------------
 
@@ -436,6 +539,14 @@ class ShardedGradScaler:
         refusal = None
         if self._distinct_params:
             config, refusal = self._own_declarations(optimizer, config)
+        self._streak.check()  # a streak an accelerator reported late stops every rank here
+        if self._spike is not None and any(ref() is not optimizer for ref, _ in self._iteration):
+            # Same on every rank (they step the same optimizers), so raised before the collective.
+            raise ValueError(
+                "ShardedGradScaler(spike=...) tests one global norm per iteration, but a second "
+                "optimizer is being stepped before update(); use one optimizer per scaler (or "
+                "one scaler per optimizer), or drop spike="
+            )
         if not self._chain_verified:
             # Every rank's scaler reaches its first step together: check the chains there.
             config = dataclasses.replace(config, verify_chain=True)
@@ -448,6 +559,8 @@ class ShardedGradScaler:
             scale_device_type=self._device,
             defer_errors=defer_errors,
             refusal=refusal,
+            verdict=self._verdict(),
+            loss_nonfinite=self._loss_flag,
             **options,
         )
         self._iteration.append((weakref.ref(optimizer), result))
@@ -539,12 +652,29 @@ class ShardedGradScaler:
         what = "unscale_()" if max_norm is None else "unscale_and_clip_()"
         state = self._check_can_unscale(optimizer, what)
         self._ensure_scale(optimizer)
+        if max_norm is None and self._spike is not None:
+            # The spike test needs the global norm: read in the same pass, in the same collective
+            # (a multiply by 1/scale after the read; nothing to write when the scale is 1).
+            result = self._run(
+                optimizer,
+                Apply.MULTIPLY if self._loss_scaling else Apply.NOTHING,
+                norm_type=2.0,
+                kernels=kernels,
+            )
+            state.record(result, grad_scale=None)
+            self._last_grad_norm = result.norm
+            return None
         if max_norm is None:
             # Lazy: the flag is awaited at step(), so a coalescing middleware can merge several
             # optimizers' reductions; a peer's error surfaces there too, the grads being
-            # unscaled and recorded as such by then.
+            # unscaled and recorded as such by then. With the scale fixed at 1 there is nothing
+            # to unscale: a read-only check.
             result = self._run(
-                optimizer, Apply.UNSCALE, kernels=kernels, defer_errors=True, lazy=True
+                optimizer,
+                Apply.UNSCALE if self._loss_scaling else Apply.NOTHING,
+                kernels=kernels,
+                defer_errors=True,
+                lazy=True,
             )
             if result.local_error is not None:
                 result.wait()
@@ -650,7 +780,7 @@ class ShardedGradScaler:
         state = self._opt_state(optimizer)
         self._ensure_scale(optimizer)
         result = self._run(optimizer, Apply.NOTHING)
-        state["found_inf_per_device"] = {result.found_inf.device: result.found_inf}
+        state.record_verdict(result)
         found: dict[torch.device, Any] = state["found_inf_per_device"]
         return found
 
@@ -731,7 +861,12 @@ class ShardedGradScaler:
             state.stage = OptState.STEPPED
             return retval
         if state.stage is OptState.READY:
-            result = self._run(optimizer, Apply.NOTHING, defer_errors=True, lazy=True)
+            if self._spike is not None:
+                # The spike test needs the global norm: read in the same check (not lazy).
+                result = self._run(optimizer, Apply.NOTHING, norm_type=2.0)
+                self._last_grad_norm = result.norm
+            else:
+                result = self._run(optimizer, Apply.NOTHING, defer_errors=True, lazy=True)
             state.record(result, grad_scale=scale * getattr(optimizer, "grad_scale", 1))
         elif state.grad_scale is None:
             state.grad_scale = getattr(optimizer, "grad_scale", None)
@@ -758,46 +893,87 @@ class ShardedGradScaler:
         """
         if not self._enabled:
             return
+        self._streak.check()
         scale, tracker = self._check_scale_growth_tracker("update")
+        if new_scale is not None and not self._loss_scaling:
+            raise ScalerStateError(
+                "update(new_scale=...) on a ShardedGradScaler(loss_scaling=False): the scale is "
+                "fixed at 1; call update() without new_scale"
+            )
+        verdict = self._iteration_verdict(scale.device)
         if new_scale is not None:
             self._set_scale(scale, new_scale)
-            found = None
-        else:
-            found_list = [
-                flag
-                for s in self._per_optimizer_states.values()
-                if (flag := s.found_inf(scale.device)) is not None
-            ]
-            if not found_list:
-                raise ScalerStateError(
-                    "update() found no overflow checks this iteration: call scaler.step(optimizer) "
-                    "(or unscale_) for at least one optimizer before update()."
-                )
-            found = found_list[0].clone()
-            for extra in found_list[1:]:
-                found += extra
+        elif verdict is None:
+            raise ScalerStateError(
+                "update() found no overflow checks this iteration: call scaler.step(optimizer) "
+                "(or unscale_) for at least one optimizer before update()."
+            )
+        if verdict is None:  # update(new_scale=...) with nothing stepped: nothing skipped
+            zero = torch.zeros((), dtype=torch.int64, device=scale.device)
+            verdict = (zero.float(), zero.float(), zero)
+        skip, found, reason = verdict
+        if new_scale is None and self._loss_scaling:
+            # Only a non-finite gradient backs off; a spike or loss skip is a clean step here.
             self._update_scale(scale, tracker, found)
-            self._last_skipped = found > 0
+        self._last_skipped = skip > 0
+        self._last_reason = reason
+        if self._spike_window is not None:
+            norms = [r.norm for _, r in self._iteration if r.norm is not None]
+            if norms:  # the window keeps accepted norms only
+                self._spike_window.accept(~self._last_skipped, norms[-1])
         poll_errors()  # an accelerator step's error that already arrived surfaces here, no sync
         self._optimizers_known = bool(self._optimizers)
         self._per_optimizer_states = defaultdict(_OptimizerState)
         self._last_iteration, self._iteration = self._iteration, []
+        self._loss_flag = None
         self._step_count += 1
-        if found is not None and self._reg().has_step_observers():
+        if new_scale is None and self._reg().has_step_observers():
             assert self._growth_tracker is not None
             hyst = self._hysteresis_tracker
             record = StepRecord(
                 step=self._step_count,
                 scale=self._scale.clone() if self._scale is not None else scale,
                 found_inf=found,
-                skipped=found > 0,
+                skipped=self._last_skipped,
                 growth_tracker=self._growth_tracker.clone(),
                 grad_norm=self._last_grad_norm,
                 hysteresis_tracker=hyst.clone() if hyst is not None else None,
                 nonfinite_per_rank=_nonfinite_per_rank(self._last_iteration),
+                skip_reason=reason,
             )
             self._reg().notify_step(record)
         self._last_grad_norm = None
+        # Last: a streak that reached the limit raises with the scaler's state complete.
+        self._streak.after_update(self._last_skipped, reason, step=self._step_count)
+
+    def _iteration_verdict(
+        self, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """This iteration's skip flag, overflow flag (float32) and SkipReason over every optimizer.
+
+        None when no optimizer was checked. Each optimizer obeys its own
+        verdict; the iteration is skipped if any was, for the strongest reason.
+        """
+        skips, overflows, reasons = [], [], []
+        for state in self._per_optimizer_states.values():
+            skip = state.found_inf(device)  # settles a lazy step first
+            if skip is None:
+                continue
+            skips.append(skip)
+            overflow = state.overflow if state.overflow is not None else skip
+            overflows.append(overflow.to(device, non_blocking=True).reshape(()))
+            if state.reason is not None:
+                reasons.append(state.reason.to(device, non_blocking=True).reshape(()))
+        if not skips:
+            return None
+        skip = torch.stack(skips).amax()
+        found = torch.stack(overflows).amax().float()
+        if reasons:
+            reason = torch.stack(reasons).amax()
+        else:  # flags written by code outside the engine: a non-finite gradient, if any
+            kind = self._verdict().nonfinite_reason
+            reason = torch.where(skip > 0, int(kind), 0).to(torch.int64)
+        return skip, found, reason
 
     def _set_scale(self, scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:
         if isinstance(new_scale, torch.Tensor):
@@ -957,6 +1133,31 @@ class ShardedGradScaler:
         """
         return self._last_skipped
 
+    @property
+    def last_skip_reason(self) -> torch.Tensor | None:
+        """Why the last ``update()``'s step was skipped: a 0-dim int64 tensor on the scale's device.
+
+        It holds a :class:`~shardscale.core.SkipReason` value (0, ``NONE``:
+        taken), identical on every rank; ``SkipReason(int(t))`` names it (a
+        host read). ``None`` before the first ``update()`` and when disabled.
+        """
+        return self._last_reason
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Whether the loss is scaled (``False``: the scale is fixed at 1)."""
+        return self._loss_scaling
+
+    @property
+    def spike(self) -> SpikeSkip | None:
+        """The spike policy (``None``: no spike test)."""
+        return self._spike
+
+    @property
+    def max_consecutive_skips(self) -> int | None:
+        """After how many consecutive skipped steps every rank raises (``None``: never)."""
+        return self._streak.limit
+
     def overflow_report(self, module: torch.nn.Module | None = None) -> OverflowReport:
         """Which ranks and which parameters held non-finite gradients in the last iteration.
 
@@ -1007,6 +1208,13 @@ class ShardedGradScaler:
             state["min_scale"] = self._min_scale
         if self._max_scale is not None:
             state["max_scale"] = self._max_scale
+        # The verdict's state, only where its options are on (torch ignores extra keys).
+        if not self._loss_scaling:
+            state["loss_scaling"] = False
+        if self._spike_window is not None:
+            state["spike_window"], state["spike_accepted"] = self._spike_window.state()
+        if self._streak.limit is not None:
+            state["_skip_streak"], state["_skip_streak_reasons"] = self._streak.state()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1023,6 +1231,7 @@ class ShardedGradScaler:
             min_scale=self._min_scale,
             max_scale=self._max_scale,
         )
+        spike_state, streak = self._validate_verdict_state(state_dict, values.scale)
         # Validated: now apply, all at once (every value fits its float32/int32 tensor).
         self._init_scale = values.scale
         self._growth_factor = values.growth_factor
@@ -1039,6 +1248,48 @@ class ShardedGradScaler:
             self._growth_tracker.fill_(self._init_growth_tracker)
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
+        if self._spike_window is not None and spike_state is not None:
+            self._spike_window.load(*spike_state)
+        if streak is not None:
+            self._streak.load(*streak)
+
+    def _validate_verdict_state(
+        self, state_dict: dict[str, Any], scale: float
+    ) -> tuple[tuple[list[float], int] | None, tuple[int, int] | None]:
+        """The checkpoint's spike window and streak, checked against this scaler's options.
+
+        A window saved without ``spike=`` is ignored by a scaler without one; a
+        scaler with ``spike=`` loading a checkpoint without a window starts an
+        empty one (a run that turns the test on).
+        """
+        saved = state_dict.get("loss_scaling", True)
+        if saved is not self._loss_scaling:
+            raise ScalerStateError(
+                f"this checkpoint was saved by a scaler with loss_scaling={saved!r}, and this one "
+                f"has loss_scaling={self._loss_scaling!r}; build the scaler with "
+                f"loss_scaling={saved!r}, or start the new precision from a fresh scaler "
+                "(a bf16 run has no scale to restore)"
+            )
+        if not self._loss_scaling and scale != 1.0:
+            raise ScalerStateError(
+                f"state dict key 'scale' is {scale!r}, but loss_scaling=False fixes it at 1.0"
+            )
+        try:
+            spike_state = validate_spike_state(state_dict)
+        except ValueError as exc:
+            raise ScalerStateError(str(exc)) from None
+        streak = None
+        if "_skip_streak" in state_dict:
+            count, mask = state_dict["_skip_streak"], state_dict.get("_skip_streak_reasons", 0)
+            if not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (count, mask)
+            ):
+                raise ScalerStateError(
+                    f"state dict keys '_skip_streak'/'_skip_streak_reasons' must be ints >= 0, "
+                    f"got {count!r}/{mask!r}; save the state with scaler.state_dict()"
+                )
+            streak = (count, mask)
+        return spike_state, streak
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -1055,6 +1306,15 @@ class ShardedGradScaler:
             state["_scale"] = state["_growth_tracker"] = state["_hysteresis_tracker"] = None
         state["_iteration"], state["_last_iteration"] = [], []
         state["_last_skipped"] = state["_last_grad_norm"] = None
+        state["_last_reason"] = state["_loss_flag"] = None
+        # The verdict's device state travels as host values, like the scale.
+        if self._spike_window is not None:
+            window = SpikeWindow(self._spike_window.policy)
+            window.load(*self._spike_window.state())
+            state["_spike_window"] = window
+        streak = SkipStreak(self._streak.limit)
+        streak.load(*self._streak.state())
+        state["_streak"] = streak
         state["_per_optimizer_states"] = defaultdict(_OptimizerState)
         state["_backend"] = None  # rebuilt from the spec on first use
         if not isinstance(state["_backend_spec"], (str, type(None))):

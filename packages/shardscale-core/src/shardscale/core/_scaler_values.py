@@ -61,6 +61,7 @@ __all__ = [
     "validate_growth_tracker",
     "validate_hysteresis_tracker",
     "validate_state_dict",
+    "validate_fixed_scale_options",
 ]
 
 FLOAT32_TINY = 2.0**-126  # smallest positive normal float32
@@ -401,3 +402,46 @@ def validate_state_dict(
         min_scale=lo,
         max_scale=hi,
     )
+
+
+def validate_fixed_scale_options(
+    *,
+    init_scale: object,
+    growth_factor: object,
+    backoff_factor: object,
+    growth_interval: object,
+    hysteresis: object,
+    min_scale: object,
+    max_scale: object,
+) -> None:
+    """``loss_scaling=False`` fixes the scale at 1: refuse options that would move it.
+
+    Anything but the defaults (or ``init_scale=1.0``) contradicts the fixed
+    scale, so it is an error naming each such option rather than silently ignored.
+    """
+    defaults: dict[str, object] = {
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+        "hysteresis": 1,
+        "min_scale": None,
+        "max_scale": None,
+    }
+    given = {
+        "growth_factor": growth_factor,
+        "backoff_factor": backoff_factor,
+        "growth_interval": growth_interval,
+        "hysteresis": hysteresis,
+        "min_scale": min_scale,
+        "max_scale": max_scale,
+    }
+    problems = [f"{k}={v!r}" for k, v in given.items() if v != defaults[k]]
+    if not isinstance(init_scale, _DefaultInitScale) and init_scale != 1.0:
+        problems.insert(0, f"init_scale={init_scale!r}")
+    if problems:
+        raise ScalerStateError(
+            f"loss_scaling=False fixes the scale at 1 (bf16/fp32 training: nothing to grow or back "
+            f"off), so {', '.join(problems)} would have no effect; drop "
+            f"{'it' if len(problems) == 1 else 'them'}, or pass loss_scaling=True (fp16) to "
+            "scale the loss"
+        )

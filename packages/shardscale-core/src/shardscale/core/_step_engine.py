@@ -20,9 +20,10 @@ stages, each a function below, in this order:
    gradient others lack); the norm's statistics cover only the counted ones;
 4. **reduce**: ONE all-reduce (SUM) of a small float64 vector in which each
    rank fills its own slots (see [Note: the reduced vector]);
-5. **decide**: found_inf, the norm and the clip coefficient follow from the
-   vector, identically on every rank; an error or a disagreement anywhere
-   makes every rank raise, naming the ranks;
+5. **decide**: found_inf, the norm, the clip coefficient and the verdict
+   (skip, and why: ``_verdict``) follow from the vector, identically on every
+   rank; an error or a disagreement anywhere makes every rank raise, naming
+   the ranks;
 6. **apply**: one in-place multiply, or nothing and a ``grad_scale`` for a
    fused optimizer.
 
@@ -44,11 +45,13 @@ chain         a 24-bit fingerprint of its backend chain's names
 declarations  a 24-bit fingerprint of what must agree (see [Note: declarations])
 ============  ===========================================================
 
-plus one value every rank adds to, ``nan``: how many of the non-finite
-gradients hold nan (the reported norm is nan then, else inf). The global norm
+plus two values every rank adds to: ``nan``, how many of the non-finite
+gradients hold nan (the reported norm is nan then, else inf), and
+``loss_nonfinite``, how many ranks observed a non-finite loss (see [Note: the
+verdict] in ``_verdict``). The global norm
 is M·(Σ_r S_r (M_r/M)^p)^(1/p) with M = max_r M_r: no intermediate exceeds the
 norm itself, so the combination cannot overflow for any p > 0. Its size is
-6·W + 1 numbers: 48 KiB for 1024 ranks. The norm's dtype is decided on each
+6·W + 2 numbers: 48 KiB for 1024 ranks. The norm's dtype is decided on each
 rank from its own gradients (float64 if it reads float64 ones, as torch), so
 ranks agree whenever they hold the same parameter dtypes.
 
@@ -130,6 +133,7 @@ from shardscale.core._step_errors import (
     verify_same_chain,
 )
 from shardscale.core._step_vector import VectorLayout
+from shardscale.core._verdict import Verdict, decide
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -234,6 +238,8 @@ class StepRequest:
     nonfinite_error: BaseException | None = None
     lazy: bool = False
     refusal: BaseException | None = None
+    verdict: Verdict | None = None
+    loss_nonfinite: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         # The caller's own contract with the engine: a programming error, raised at once.
@@ -280,6 +286,10 @@ class StepResult:
     group: Any = None
     #: What this rank declared (see [Note: declarations]), for a mismatch message.
     declarations: str = ""
+    #: The step's verdict (see [Note: the verdict] in ``_verdict``): 1.0 when the optimizer
+    #: must not step (float32, what fused optimizers test), and the ``SkipReason`` (int64).
+    skip: torch.Tensor | None = None
+    skip_reason: torch.Tensor | None = None
     _errors: ErrorBlocks | None = None
     _raised: bool = False
     _complete: Callable[[], None] | None = None
@@ -376,6 +386,8 @@ def run_step(
     nonfinite_error: BaseException | None = None,
     lazy: bool = False,
     refusal: BaseException | None = None,
+    verdict: Verdict | None = None,
+    loss_nonfinite: torch.Tensor | None = None,
 ) -> StepResult:
     """Collect, check, read, reduce once, decide and apply (see [Note: one step, top to bottom]).
 
@@ -405,6 +417,11 @@ def run_step(
         refusal: an error the caller found before the step (a declaration
             that does not fit); recorded by the check stage like its own, so
             it reaches every rank and nothing changes.
+        verdict: the scaler's skip policies (spike window, which reason a
+            non-finite gradient gives); ``result.skip``/``skip_reason`` hold
+            the verdict (see [Note: the verdict] in ``_verdict``).
+        loss_nonfinite: 0-dim, nonzero when this rank observed a non-finite
+            loss; carried in the vector so that every rank skips.
 
     Every rank of ``config.group`` must call this the same number of times
     with the same ``apply``/``norm_type``: it joins one all-reduce.
@@ -422,6 +439,8 @@ def run_step(
         nonfinite_error=nonfinite_error,
         lazy=lazy,
         refusal=refusal,
+        verdict=verdict,
+        loss_nonfinite=loss_nonfinite,
     )
     items = list(items)
     raise_pending_errors(wait=True)
@@ -431,7 +450,9 @@ def run_step(
         device = _result_device(request.scale, local.buckets, items, as_grads=request.as_grads)
         inv_scale = _inv_scale(request)
         reading = _read(local, request, inv_scale=inv_scale, device=device)
-        result, handle = _reduce(local, reading, config, device=device)
+        result, handle = _reduce(
+            local, reading, config, device=device, loss_nonfinite=request.loss_nonfinite
+        )
         result.owners = [
             (weakref.ref(param), weakref.ref(t)) for param, t in local.buckets.owner_pairs()
         ]
@@ -799,13 +820,20 @@ def _result_device(
 
 
 def _reduce(
-    local: _Local, reading: _Reading, config: StepConfig, *, device: torch.device
+    local: _Local,
+    reading: _Reading,
+    config: StepConfig,
+    *,
+    device: torch.device,
+    loss_nonfinite: torch.Tensor | None = None,
 ) -> tuple[StepResult, Handle]:
     """Fill this rank's slots of the vector and issue the step's one all-reduce."""
     if config.verify_chain:
         verify_same_chain(config.backend, config.group, device)
     chain = chain_names(config.backend)
-    vec, finite = _local_vector(reading, local, device=device, chain=chain)
+    vec, finite = _local_vector(
+        reading, local, device=device, chain=chain, loss_nonfinite=loss_nonfinite
+    )
     handle = _issue(vec, config)
     result = StepResult(
         found_inf=torch.zeros((), dtype=torch.float32, device=device),
@@ -821,12 +849,20 @@ def _reduce(
         group=config.group,
         declarations=local.declarations,
         finite=finite,
+        # Filled by the decision; allocated now so that a lazy step's caller can hold them.
+        skip=torch.zeros((), dtype=torch.float32, device=device),
+        skip_reason=torch.zeros((), dtype=torch.int64, device=device),
     )
     return result, handle
 
 
 def _local_vector(
-    reading: _Reading, local: _Local, *, device: torch.device, chain: str
+    reading: _Reading,
+    local: _Local,
+    *,
+    device: torch.device,
+    chain: str,
+    loss_nonfinite: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's slots of the step's vector, and which local tensors read finite."""
     layout, rank, p = VectorLayout(local.world), local.rank, local.norm_type
@@ -854,6 +890,10 @@ def _local_vector(
     vec[layout.slot("chain", rank)] = fingerprint(chain)
     vec[layout.slot("declarations", rank)] = fingerprint(local.declarations)
     vec[layout.shared("nan")] = nan
+    if loss_nonfinite is not None:
+        vec[layout.shared("loss_nonfinite")] = (loss_nonfinite.reshape(()) != 0).to(
+            device=device, dtype=torch.float64
+        )
     return vec, finite
 
 
@@ -891,10 +931,12 @@ def _decide(
     vec, layout = result.vector, result.layout
     p, max_norm, scale = local.norm_type, local.max_norm, request.scale
     # A non-finite gradient, an error or a disagreement on any rank: nothing is stepped on.
-    bad = (vec[layout.block("nonfinite")].sum() + vec[layout.block("error")].sum()) > 0
+    held_nonfinite = vec[layout.block("nonfinite")].sum() > 0
+    error = vec[layout.block("error")].sum() > 0
     for name in ("chain", "declarations"):
         prints = vec[layout.block(name)]
-        bad = bad | (prints.amax() != prints.amin())
+        error = error | (prints.amax() != prints.amin())
+    bad = held_nonfinite | error
     result.found_inf.copy_(bad.to(torch.float32))
     if p is not None:
         peaks = vec[layout.block("peak")]
@@ -922,6 +964,16 @@ def _decide(
     if request.apply is Apply.FUSED:
         assert scale is not None
         result.grad_scale = scale / result.coef.to(scale.device)
+    skip, reason = decide(
+        error=error,
+        nonfinite=held_nonfinite,
+        loss_nonfinite=vec[layout.shared("loss_nonfinite")] > 0,
+        norm=result.norm,
+        verdict=request.verdict,
+    )
+    assert result.skip is not None and result.skip_reason is not None
+    result.skip.copy_(skip)
+    result.skip_reason.copy_(reason)
     result._errors = ErrorBlocks(vec, layout)
     if result._errors.on_device:
         add_pending(result)

@@ -30,7 +30,10 @@ class VectorLayout:
         "declarations",  # 24-bit fingerprint of what must agree (see [Note: declarations])
     )
     #: One value every rank adds to.
-    SHARED: ClassVar[tuple[str, ...]] = ("nan",)  # how many local gradients hold nan
+    SHARED: ClassVar[tuple[str, ...]] = (
+        "nan",  # how many local gradients hold nan
+        "loss_nonfinite",  # how many ranks observed a non-finite loss (0 where none is held)
+    )
     #: The blocks read on the host after the reduction (contiguous: one copy).
     HOST_READ: ClassVar[tuple[str, ...]] = ("error", "chain", "declarations")
 

@@ -1,0 +1,393 @@
+"""The step's verdict: take the optimizer step, or skip it and say why.
+
+[Note: the verdict]
+Every reason to skip a step is a pure function of the step's reduced vector
+and of state that lives on the device and is identical on every rank, so it
+costs no collective and no host read:
+
+* **error**: a rank failed or ranks disagree (the engine raises too);
+* **non-finite gradient**: any local gradient on any rank held inf/nan --
+  an fp16 *overflow* under loss scaling, *non-finite* without it (bf16/fp32);
+* **non-finite loss**: a rank observed a non-finite loss
+  (``ShardedGradScaler(check_loss=True)`` or ``observe_loss``); the vector's
+  shared ``loss_nonfinite`` value, to which ranks without a loss add 0;
+* **spike**: the step's global pre-clip norm is finite but above
+  :class:`SpikeSkip`'s absolute threshold, or far above the rolling window of
+  recently *accepted* norms. The window is fed from the reduced norm after the
+  verdict, so it is the same on every rank without a collective.
+
+When several apply, the reason is the first in that order (error, then
+non-finite gradient, then non-finite loss, then spike): :class:`SkipReason`'s
+values grow with precedence, so the reason is a maximum. Only a non-finite
+gradient backs the loss scale off; a step skipped for its loss or a spike
+leaves the scale alone and counts for growth as a clean step (its gradients
+were finite at this scale, which is what the growth interval measures).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardscale.core._errors import SkipStreakError
+
+__all__ = [
+    "HostCopy",
+    "SkipReason",
+    "SkipStreak",
+    "SpikeSkip",
+    "SpikeWindow",
+    "Verdict",
+    "decide",
+]
+
+
+class SkipReason(enum.IntEnum):
+    """Why a step was skipped; ``NONE``: it was taken.
+
+    The value grows with precedence: when several reasons apply, the step's
+    reason is the largest (error, then non-finite gradient, then non-finite
+    loss, then spike). ``scaler.last_skip_reason`` and
+    ``StepRecord.skip_reason`` hold the value as a 0-dim int64 device tensor:
+    ``SkipReason(int(t))`` names it (a host read).
+    """
+
+    #: The step was taken.
+    NONE = 0
+    #: The global pre-clip gradient norm was a spike (:class:`SpikeSkip`).
+    SPIKE = 1
+    #: A rank observed a non-finite loss (``check_loss=True`` / ``observe_loss``).
+    LOSS = 2
+    #: A non-finite gradient on some rank without loss scaling (``loss_scaling=False``).
+    NONFINITE = 3
+    #: A non-finite gradient on some rank under loss scaling: the scale backs off.
+    OVERFLOW = 4
+    #: A rank failed in the step or ranks disagreed; every rank raises as well.
+    ERROR = 5
+
+
+def _number(value: object, name: str, *, low: float, strict: bool, fix: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"SpikeSkip({name}=...) takes a number, got {type(value).__name__}")
+    number = float(value)
+    if not math.isfinite(number) or number < low or (strict and number == low):
+        bound = f"> {low:g}" if strict else f">= {low:g}"
+        raise ValueError(f"SpikeSkip({name}={value!r}): must be a finite number {bound}{fix}")
+    return number
+
+
+def _count(value: object, name: str, *, low: int, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < low:
+        raise ValueError(f"SpikeSkip({name}={value!r}): must be an int >= {low}{fix}")
+    return int(value)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpikeSkip:
+    """Skip a step whose global gradient norm is a spike (``ShardedGradScaler(spike=...)``).
+
+    The norm is the true global pre-clip norm of the step: the clip call's
+    (``unscale_and_clip_``/``unscale_(..., max_norm=...)``, of its
+    ``norm_type``), or, when the step is not clipped, the 2-norm the step engine
+    computes in the step's one read and one all-reduce. A step is a spike when
+    its norm is finite and any enabled test says so:
+
+    * ``max_norm_abs``: the norm exceeds it (an absolute threshold, as
+      Megatron-LM's ``grad_norm_skip_threshold``); armed from the first step;
+    * ``z``: the norm exceeds ``mean + z * std`` of the window (unbiased std;
+      one-sided: a norm far *below* the window is not a spike);
+    * ``ratio``: the norm exceeds ``ratio * mean`` of the window.
+
+    The window holds the norms of the last ``window`` *accepted* steps (steps
+    taken by the optimizer), on the device. The relative tests (``z``,
+    ``ratio``) arm once ``warmup`` steps have been accepted; ``None`` means
+    OLMo-core's rule, ``max(20, window // 2)``. ``SpikeSkip()`` is OLMo-core's
+    default: 6 standard deviations over the last 128 accepted steps. Pass
+    ``z=None`` to use only the other tests.
+    """
+
+    max_norm_abs: float | None = None
+    z: float | None = 6.0
+    ratio: float | None = None
+    window: int = 128
+    warmup: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_norm_abs is not None:
+            _number(self.max_norm_abs, "max_norm_abs", low=0.0, strict=True, fix="")
+        if self.z is not None:
+            _number(self.z, "z", low=0.0, strict=True, fix="; None turns the z-score test off")
+        if self.ratio is not None:
+            _number(
+                self.ratio, "ratio", low=1.0, strict=True, fix="; None turns the ratio test off"
+            )
+        if self.max_norm_abs is None and self.z is None and self.ratio is None:
+            raise ValueError(
+                "SpikeSkip(max_norm_abs=None, z=None, ratio=None) tests nothing: set at least "
+                "one of them (SpikeSkip() uses z=6.0)"
+            )
+        _count(self.window, "window", low=2, fix=" (the window needs two norms for a std)")
+        if self.warmup is not None:
+            # A std needs two values; a mean one.
+            low = 2 if self.z is not None else 1
+            _count(self.warmup, "warmup", low=low, fix="; None means max(20, window // 2)")
+
+    @property
+    def armed_after(self) -> int:
+        """How many accepted steps the relative tests wait for."""
+        return self.warmup if self.warmup is not None else max(20, self.window // 2)
+
+
+class SpikeWindow:
+    """The rolling window of accepted norms, on the device: a ring buffer and a count.
+
+    Fed by :meth:`accept` with the reduced norm after each verdict, so every
+    rank holds the same window. Until :meth:`materialize` places it on a device
+    (beside the scale), its content lives on the host (a checkpoint loaded
+    before the first step).
+    """
+
+    __slots__ = ("_host", "buffer", "count", "policy")
+
+    def __init__(self, policy: SpikeSkip) -> None:
+        self.policy = policy
+        self.buffer: torch.Tensor | None = None
+        self.count: torch.Tensor | None = None
+        self._host: tuple[list[float], int] = ([], 0)
+
+    def materialize(self, device: torch.device) -> None:
+        """Create the device tensors from the host content (once, beside the scale)."""
+        if self.buffer is not None:
+            return
+        values, count = self._host
+        size = self.policy.window
+        buffer = torch.zeros(size, dtype=torch.float64)
+        # The i-th of the last n accepted norms sits where the ring put it: (count - n + i) % size.
+        for i, value in enumerate(values):
+            buffer[(count - len(values) + i) % size] = value
+        self.buffer = buffer.to(device)
+        self.count = torch.tensor(count, dtype=torch.int64, device=device)
+
+    def is_spike(self, norm: torch.Tensor) -> torch.Tensor:
+        """Whether ``norm`` (0-dim, finite or not) is a spike: a 0-dim bool tensor, no host read."""
+        assert self.buffer is not None and self.count is not None
+        policy = self.policy
+        value = norm.to(torch.float64)
+        spike = torch.zeros((), dtype=torch.bool, device=value.device)
+        if policy.max_norm_abs is not None:
+            spike = spike | (value > policy.max_norm_abs)
+        if policy.z is not None or policy.ratio is not None:
+            size = policy.window
+            held = self.count.clamp(max=size)
+            mask = torch.arange(size, device=value.device) < held
+            n = held.to(torch.float64).clamp(min=1.0)
+            mean = (self.buffer * mask).sum() / n
+            armed = self.count >= policy.armed_after
+            if policy.z is not None:
+                var = (((self.buffer - mean) * mask).square().sum()) / (n - 1.0).clamp(min=1.0)
+                spike = spike | (armed & (value > mean + policy.z * var.sqrt()))
+            if policy.ratio is not None:
+                spike = spike | (armed & (value > policy.ratio * mean))
+        return spike & torch.isfinite(value)
+
+    def accept(self, taken: torch.Tensor, norm: torch.Tensor) -> None:
+        """Put ``norm`` in the window if the step was ``taken`` (device ops only)."""
+        assert self.buffer is not None and self.count is not None
+        at = (self.count % self.policy.window).reshape(1)
+        old = self.buffer.gather(0, at)
+        new = torch.where(taken, norm.to(torch.float64).reshape(1), old)
+        self.buffer.scatter_(0, at, new)
+        self.count += taken.to(torch.int64)
+
+    def state(self) -> tuple[list[float], int]:
+        """The accepted norms held, oldest first, and how many were accepted (a host read)."""
+        if self.buffer is None or self.count is None:
+            return list(self._host[0]), self._host[1]
+        count = int(self.count.item())
+        size = self.policy.window
+        held = min(count, size)
+        ring: list[float] = self.buffer.tolist()
+        return [ring[(count - held + i) % size] for i in range(held)], count
+
+    def load(self, values: list[float], count: int) -> None:
+        """Replace the content (validated by :func:`validate_spike_state`)."""
+        values = values[-self.policy.window :]
+        self._host = (list(values), count)
+        if self.buffer is not None:
+            device = self.buffer.device
+            self.buffer = self.count = None
+            self.materialize(device)
+
+
+def validate_spike_state(state: Mapping[str, Any]) -> tuple[list[float], int] | None:
+    """A checkpoint's spike window (``spike_window``, ``spike_accepted``), or None if it has none."""
+    if "spike_window" not in state and "spike_accepted" not in state:
+        return None
+    values, count = state.get("spike_window"), state.get("spike_accepted")
+    if not isinstance(values, (list, tuple)) or not all(
+        isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) for v in values
+    ):
+        raise ValueError(
+            "scaler state dict key 'spike_window' must be a list of finite numbers (the accepted "
+            f"norms, oldest first), got {values!r}; save the state with scaler.state_dict()"
+        )
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < len(values):
+        raise ValueError(
+            f"scaler state dict key 'spike_accepted' must be an int >= len(spike_window) "
+            f"({len(values)}), got {count!r}; save the state with scaler.state_dict()"
+        )
+    return [float(v) for v in values], int(count)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What a step engine call needs to give its verdict beyond found_inf (the scaler's policies)."""
+
+    #: The reason a non-finite gradient gives: OVERFLOW under loss scaling, else NONFINITE.
+    nonfinite_reason: SkipReason = SkipReason.NONFINITE
+    #: The spike test's window, or None.
+    spike: SpikeWindow | None = None
+
+
+def decide(
+    *,
+    error: torch.Tensor,
+    nonfinite: torch.Tensor,
+    loss_nonfinite: torch.Tensor,
+    norm: torch.Tensor | None,
+    verdict: Verdict | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's skip flag (float32 0/1, what optimizers test) and reason (int64), on the device.
+
+    ``error``, ``nonfinite`` and ``loss_nonfinite`` are 0-dim bool tensors from
+    the reduced vector; ``norm`` the step's global norm (None: no spike test).
+    Without a ``verdict`` (a clip call) only errors and non-finite gradients count.
+    """
+    reason = torch.zeros((), dtype=torch.int64, device=error.device)
+    kind = SkipReason.NONFINITE
+    if verdict is not None:
+        kind = verdict.nonfinite_reason
+        if verdict.spike is not None and norm is not None:
+            spike = verdict.spike.is_spike(norm).to(error.device)
+            reason = torch.where(spike, int(SkipReason.SPIKE), reason)
+        reason = torch.where(loss_nonfinite, int(SkipReason.LOSS), reason)
+    # In increasing precedence, each overrides the ones before.
+    reason = torch.where(nonfinite, int(kind), reason)
+    reason = torch.where(error, int(SkipReason.ERROR), reason)
+    return (reason > 0).to(torch.float32), reason
+
+
+class HostCopy:
+    """A few device values copied to host memory without a host sync (pinned, async on a GPU).
+
+    Readable at once off the GPU; on a GPU once its event completed, or by waiting.
+    """
+
+    __slots__ = ("_event", "_host")
+
+    def __init__(self, values: torch.Tensor) -> None:
+        on_gpu = values.device.type == "cuda"
+        self._host = torch.empty(values.numel(), dtype=values.dtype, pin_memory=on_gpu)
+        self._host.copy_(values.reshape(-1), non_blocking=on_gpu)
+        self._event: Any = None
+        if on_gpu:
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record()
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the copy is asynchronous."""
+        return self._event is not None
+
+    def read(self) -> list[int]:
+        """The values, waiting for the copy if it has not arrived."""
+        if self._event is not None:
+            self._event.synchronize()
+        values: list[int] = self._host.tolist()
+        return values
+
+
+class SkipStreak:
+    """Counts consecutive skipped steps on the device; raises :class:`SkipStreakError` at a limit.
+
+    [Note: the streak read one step late]
+    After each ``update()`` the streak and the reasons seen in it (a bit mask)
+    are copied to the host asynchronously. Off the GPU the copy is done at
+    once and ``update()`` raises right away. On a GPU it is read at the
+    scaler's next call (a step or ``update()``), waiting only for the previous
+    update's few bytes while this step's work is already queued: every rank
+    raises at the same call, before the next step's collective, so no rank
+    waits for a peer that stopped.
+    """
+
+    __slots__ = ("_copy", "_initial", "_step", "count", "limit", "mask")
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.count: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+        self._copy: HostCopy | None = None
+        self._step = 0
+        self._initial = (0, 0)  # (streak, reasons mask) until materialized
+
+    def materialize(self, device: torch.device) -> None:
+        """Create the device counters (once, beside the scale)."""
+        if self.count is None:
+            count, mask = self._initial
+            self.count = torch.tensor(count, dtype=torch.int64, device=device)
+            self.mask = torch.tensor(mask, dtype=torch.int64, device=device)
+
+    def load(self, count: int, mask: int) -> None:
+        """Restore a checkpoint's streak."""
+        self._initial = (count, mask)
+        if self.count is not None and self.mask is not None:
+            self.count.fill_(count)
+            self.mask.fill_(mask)
+
+    def after_update(self, skipped: torch.Tensor, reason: torch.Tensor, *, step: int) -> None:
+        """Advance the streak with this update's verdict; raise now if the limit is known reached."""
+        assert self.count is not None and self.mask is not None
+        self.count.copy_(torch.where(skipped, self.count + 1, 0))
+        bit = torch.ones((), dtype=torch.int64, device=reason.device) << reason
+        self.mask.copy_(torch.where(skipped, self.mask | bit, 0))
+        if self.limit is None:
+            return
+        self._copy = HostCopy(torch.stack([self.count, self.mask]))
+        self._step = step
+        if not self._copy.on_device:
+            self.check()
+
+    def check(self) -> None:
+        """Raise if the last update's streak reached the limit (waits for its copy, if any)."""
+        copy, self._copy = self._copy, None
+        if copy is None or self.limit is None:
+            return
+        count, mask = copy.read()
+        if count < self.limit:
+            return
+        reasons = tuple(r for r in SkipReason if r and mask & (1 << r))
+        names = ", ".join(r.name.lower() for r in reasons)
+        first = self._step - count + 1
+        raise SkipStreakError(
+            f"{count} consecutive optimizer steps were skipped (scaler steps {first} to "
+            f"{self._step}; reasons: {names}), reaching max_consecutive_skips={self.limit}, so "
+            "every rank stops here. Look at the data and the learning rate around step "
+            f"{first} (scaler.overflow_report(model) names non-finite gradients); raise "
+            "max_consecutive_skips, or pass None never to stop",
+            step=self._step,
+            streak=count,
+            reasons=reasons,
+        )
+
+    def state(self) -> tuple[int, int]:
+        """The current streak and its reasons mask (a host read, for checkpoints)."""
+        if self.count is None or self.mask is None:
+            return self._initial
+        count, mask = torch.stack([self.count, self.mask]).tolist()
+        return int(count), int(mask)
