@@ -18,8 +18,11 @@ machine hits every arm alike), whole steps are timed (forward + backward +
 post-processing, the slowest rank's time per round), and each arm's median is
 compared with ``none`` by a ratio with a 95 % paired bootstrap interval
 (``_stats``). The data is clean, so no step is skipped: what is measured is
-the price of *deciding*, paid on every step. Collectives per step are counted
-with the ``counting`` middleware after the timed rounds (the claim: still 1).
+the price of *deciding*, paid on every step. After the timed rounds one more
+step per arm counts its collectives with the ``counting`` middleware (the
+claim: still 1) and the aten ops post-processing dispatches on this rank (a
+policy's added device work, free of timing noise; each is a tiny kernel on a
+GPU, a few microseconds of host time on a CPU).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardscale.cli.bench._config import BenchConfig
 from shardscale.cli.bench._order import balanced_order, rounds_for
@@ -96,12 +100,12 @@ def _arm_steps(cfg: BenchConfig) -> dict[str, Any]:
     arms: list[tuple[str, torch.nn.Module, torch.optim.Optimizer, Any]] = []
     dp_rank = 0
     for name in POLICY_ARMS:
-        model, dp_rank = shard(copy.deepcopy(base), (world,), cfg.device)
-        opt = make_optimizer(cfg.optimizers[0], model.parameters())
+        sharded, dp_rank = shard(copy.deepcopy(base), (world,), cfg.device)
+        opt = make_optimizer(cfg.optimizers[0], sharded.parameters())
         scaler = ShardedGradScaler(
             cfg.device, backend=counting_spec(cfg.backend), **_scaling(options[name])
         )
-        arms.append((name, model, opt, scaler))
+        arms.append((name, sharded, opt, scaler))
     del base
 
     def loss_of(model: torch.nn.Module, step: int) -> torch.Tensor:
@@ -148,15 +152,29 @@ def _arm_steps(cfg: BenchConfig) -> dict[str, Any]:
         scaler.scale(loss_of(model, warm + measured)).backward()
         counting = find_middleware(scaler.backend, CountingMiddleware)
         counting.reset()
-        post(scaler, opt)
+        with _OpCounter() as ops:
+            post(scaler, opt)
         skipped = scaler.last_step_skipped
         out["arms"][name] = {
             "post_ms": (times[i, :, 0] * 1e3).tolist(),
             "step_ms": (times[i, :, 1] * 1e3).tolist(),
             "collectives": len(counting.records),
+            "ops": ops.count,
             "skipped_after": bool(skipped) if skipped is not None else False,
         }
     return out
+
+
+class _OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts the aten ops post-processing dispatches: a policy's cost without timing noise."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _scaling(options: dict[str, Any]) -> dict[str, Any]:
@@ -251,6 +269,7 @@ def _cells(rec: dict[str, Any], name: str) -> list[str]:
         f"{rec['extra_post_ms']:+.2f}",
         f"{rec['median_step_ms']:.2f}",
         _ci(rec.get("step_ratio")),
+        str(rec.get("ops", "")),
         str(rec["collectives"]),
     ]
 
@@ -266,7 +285,7 @@ def format_policies(result: dict[str, Any], *, markdown: bool = False) -> str:
         "(post = unscale_and_clip_ + step + update; step = forward + backward + post)"
     )
     cols = ("arm", "post ms", "post ratio [95 % CI]", "extra post ms", "step ms",
-            "step ratio [95 % CI]", "collectives / step")  # fmt: skip
+            "step ratio [95 % CI]", "aten ops in post", "collectives / step")  # fmt: skip
     rows = [_cells(rec, name) for name, rec in result["arms"].items()]
     if markdown:
         lines = [head, "", "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
