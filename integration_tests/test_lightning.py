@@ -600,9 +600,27 @@ class _PolicyNet(_Net):
 
 
 class _PolicyRecorder(_Recorder):
+    """Also keeps an EMA of the weights with update_averaged_model (DDP: plain modules), and
+    torch's AveragedModel.update_parameters called only on the steps expected to be taken."""
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        super().on_train_start(trainer, pl_module)
+        self.ema = self.ref_ema = None
+        if pl_module.layout == "ddp":
+            self.ema = AveragedModel(pl_module.net, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+            self.ref_ema = AveragedModel(pl_module.net, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        from shardscale.core import update_averaged_model
+
         super().on_train_batch_end(trainer, pl_module, *args)
         self.steps[-1]["reason"] = int(self.plugin.scaler.last_skip_reason)
+        if self.ema is not None and self.ref_ema is not None:
+            update_averaged_model(self.ema, pl_module.net, scaler=self.plugin.scaler)
+            if len(self.steps) - 1 not in (SPIKE_STEP, NAN_STEP):
+                self.ref_ema.update_parameters(pl_module.net)
 
 
 def _policy_case(strategy: str, fused: bool) -> dict[str, Any]:
@@ -620,10 +638,15 @@ def _policy_case(strategy: str, fused: bool) -> dict[str, Any]:
     model = _PolicyNet(fused=fused, layout=strategy, override_clip=False)
     trainer = _trainer(plugin, strategy, STEPS, rec, gradient_clip_val=CLIP)
     trainer.fit(model, _loader(dist.get_rank(), STEPS))
+    ema_equal = None
+    if rec.ema is not None and rec.ref_ema is not None:
+        pairs = zip(rec.ema.state_dict().values(), rec.ref_ema.state_dict().values(), strict=True)
+        ema_equal = all(torch.equal(a, b) for a, b in pairs)
     return {
         "steps": rec.steps,
         "params": _full_params(model),
         "sched": trainer.lr_scheduler_configs[0].scheduler.last_epoch,
+        "ema_equal": ema_equal,
     }
 
 
@@ -650,12 +673,16 @@ def _check_policy(results: list[dict[str, Any]]) -> None:
         assert res["sched"] == taken
         assert steps[-1]["lr"] == pytest.approx(1e-2 / (1.0 + taken), rel=1e-12)
         assert steps[-1]["logged"]["shardscale/skip_reason"] == 0.0
+        # Averaged weights (DDP): bit for bit torch's, updated on the taken steps only.
+        assert res["ema_equal"] in (True, None)
     for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
         assert torch.equal(a, b)
 
 
-def test_bf16_spike_and_nonfinite_skips_hold_the_scheduler_ddp(pool2: Pool) -> None:
-    _check_policy(pool2.run(_policy_case, "ddp", False))
+def test_bf16_spike_and_nonfinite_skips_hold_the_scheduler_and_ema_ddp(pool2: Pool) -> None:
+    results = pool2.run(_policy_case, "ddp", False)
+    _check_policy(results)
+    assert all(res["ema_equal"] is True for res in results)
 
 
 def test_bf16_spike_and_nonfinite_skips_hold_the_scheduler_fsdp2_fused(pool2: Pool) -> None:
