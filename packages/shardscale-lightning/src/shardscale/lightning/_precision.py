@@ -129,7 +129,8 @@ class ShardscalePrecision(FSDPPrecision):
         scaler: a ready :class:`ShardedGradScaler` (with another precision than
             ``"16-mixed"``, one built with ``loss_scaling=False``); default: one
             built from ``scaler_options``.
-        log_metrics: log ``<prefix>scale``, ``<prefix>skipped`` and
+        log_metrics: log ``<prefix>scale``, ``<prefix>skipped``,
+            ``<prefix>skip_reason`` (the ``SkipReason`` value) and
             ``<prefix>grad_norm`` on every optimizer step (on_step, logger only).
         log_prefix: prefix of the logged names.
         hold_schedulers: keep ``interval="step"`` schedulers from advancing on
