@@ -889,7 +889,12 @@ class ShardedGradScaler:
         """Back the scale off if any optimizer overflowed, grow it after ``growth_interval`` clean steps.
 
         ``new_scale`` sets the scale directly instead (a Python float, or a
-        one-element tensor on the scaler's device type).
+        one-element tensor on the scaler's device type). Either way it
+        publishes the iteration's verdict (:attr:`last_step_skipped`,
+        :attr:`last_skip_reason`), feeds an accepted norm to the spike window
+        and counts the streak of skipped steps, raising
+        :class:`~shardscale.core.SkipStreakError` at ``max_consecutive_skips``.
+        Only a non-finite gradient backs the scale off (docs/skipped-steps.md).
         """
         if not self._enabled:
             return

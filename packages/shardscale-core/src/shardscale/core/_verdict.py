@@ -352,12 +352,12 @@ class SkipStreak:
 
     def after_update(self, skipped: torch.Tensor, reason: torch.Tensor, *, step: int) -> None:
         """Advance the streak with this update's verdict; raise now if the limit is known reached."""
+        if self.limit is None:
+            return  # nothing to stop: no device work for the default scaler
         assert self.count is not None and self.mask is not None
         self.count.copy_(torch.where(skipped, self.count + 1, 0))
         bit = torch.ones((), dtype=torch.int64, device=reason.device) << reason
         self.mask.copy_(torch.where(skipped, self.mask | bit, 0))
-        if self.limit is None:
-            return
         self._copy = HostCopy(torch.stack([self.count, self.mask]))
         self._step = step
         if not self._copy.on_device:

@@ -1,0 +1,441 @@
+"""The step verdict in one process: no loss scaling, spikes, the loss, streaks, reasons, checkpoints.
+
+Every expected decision comes from a rule written here (the spike test with
+Python's ``statistics``), never from shardscale's code; optimizers, schedules
+and averaged weights are compared with torch's own run that steps only on the
+steps the rule takes. Multi-rank agreement is in ``integration_tests/test_verdict.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import statistics
+from typing import Any
+
+import pytest
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from shardscale.core import (
+    DeviceLRSchedule,
+    LinearSchedule,
+    ScalerStateError,
+    ShardedGradScaler,
+    SkipReason,
+    SkipStreakError,
+    SpikeSkip,
+    StepRecord,
+    update_averaged_model,
+)
+from shardscale.core.testing import HostReadRecorder, recording_steps
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.nn.Parameter(torch.randn(5, 3, generator=gen)),
+        torch.nn.Parameter(torch.randn(4, generator=gen)),
+    ]
+
+
+def _grads(step: int, factor: float = 1.0) -> list[torch.Tensor]:
+    """This step's gradients (the same for ours and the reference), times ``factor``."""
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(5, 3, generator=gen) * factor, torch.randn(4, generator=gen) * factor]
+
+
+def _norm(grads: list[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+
+
+def reference_is_spike(norm: float, accepted: list[float], policy: dict[str, Any]) -> bool:
+    """The spike rule as documented, on Python floats (not shardscale's code)."""
+    if not math.isfinite(norm):
+        return False
+    if policy.get("max_norm_abs") is not None and norm > policy["max_norm_abs"]:
+        return True
+    if len(accepted) < policy["warmup"]:
+        return False
+    recent = accepted[-policy["window"] :]
+    mean = statistics.fmean(recent)
+    if policy.get("z") is not None and norm > mean + policy["z"] * statistics.stdev(recent):
+        return True
+    return policy.get("ratio") is not None and norm > policy["ratio"] * mean
+
+
+# -- loss_scaling=False --------------------------------------------------------------------------
+
+
+def test_without_loss_scaling_the_scale_is_one_and_a_nan_skips_like_an_overflow() -> None:
+    ours, ref = _params(), _params()
+    opt = torch.optim.AdamW(ours, lr=0.1, fused=True)
+    ref_opt = torch.optim.AdamW(ref, lr=0.1)
+    scaler = ShardedGradScaler("cpu", loss_scaling=False)
+    loss = torch.tensor(3.0)
+    assert scaler.scale(loss) is loss  # unchanged, not even multiplied by 1
+    skipped, reasons = [], []
+    for step in range(6):
+        grads = _grads(step)
+        if step in (2, 3):
+            grads[1][0] = math.nan if step == 2 else math.inf
+        for p, g in zip(ours, grads, strict=True):
+            p.grad = g.clone()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(bool(scaler.last_step_skipped))
+        reasons.append(SkipReason(int(scaler.last_skip_reason)))  # type: ignore[arg-type]
+        if math.isfinite(_norm(grads)):  # the reference steps on finite gradients only
+            for p, g in zip(ref, grads, strict=True):
+                p.grad = g.clone()
+            ref_opt.step()
+    assert skipped == [False, False, True, True, False, False]
+    assert reasons == [SkipReason.NONFINITE if s else SkipReason.NONE for s in skipped]
+    # Neither grown nor backed off, and the growth tracker never moved.
+    assert scaler.get_scale() == 1.0 and scaler.state_dict()["_growth_tracker"] == 0
+    # fused AdamW (ours) vs for-loop AdamW (reference): the same arithmetic up to rounding
+    # of a few float32 operations per step (6 steps, lr 0.1): 1e-6 relative.
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"init_scale": 1024.0}, "init_scale=1024.0"),
+        ({"growth_interval": 10}, "growth_interval=10"),
+        ({"hysteresis": 2, "max_scale": 8.0}, "hysteresis=2, max_scale=8.0"),
+    ],
+)
+def test_scaling_options_contradicting_a_fixed_scale_are_refused(
+    kwargs: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ScalerStateError, match="loss_scaling=False fixes the scale at 1") as info:
+        ShardedGradScaler("cpu", loss_scaling=False, **kwargs)
+    assert named in str(info.value)
+    ShardedGradScaler("cpu", loss_scaling=False, init_scale=1.0)  # the fixed scale itself is fine
+    with pytest.raises(TypeError, match="loss_scaling must be True"):
+        ShardedGradScaler("cpu", loss_scaling="no")  # type: ignore[arg-type]
+
+
+def test_a_fixed_scale_refuses_update_new_scale_and_other_precision_checkpoints() -> None:
+    scaler = ShardedGradScaler("cpu", loss_scaling=False)
+    scaler.scale(torch.tensor(1.0))
+    with pytest.raises(ScalerStateError, match="fixed at 1"):
+        scaler.update(new_scale=2.0)
+    fp16 = ShardedGradScaler("cpu").state_dict()
+    with pytest.raises(ScalerStateError, match="loss_scaling=True"):
+        scaler.load_state_dict(fp16)
+    with pytest.raises(ScalerStateError, match="loss_scaling=False"):
+        ShardedGradScaler("cpu").load_state_dict(scaler.state_dict())
+    assert scaler.get_scale() == 1.0
+
+
+# -- SpikeSkip -----------------------------------------------------------------------------------
+
+
+def test_spike_skip_defaults_and_refusals() -> None:
+    assert SpikeSkip() == SpikeSkip(max_norm_abs=None, z=6.0, ratio=None, window=128)
+    assert SpikeSkip().armed_after == 64 and SpikeSkip(window=8).armed_after == 20
+    with pytest.raises(TypeError):
+        SpikeSkip(5.0)  # type: ignore[misc]  # keyword-only
+    with pytest.raises(ValueError, match="tests nothing"):
+        SpikeSkip(z=None)
+    with pytest.raises(ValueError, match="window"):
+        SpikeSkip(window=1)
+    with pytest.raises(ValueError, match="warmup"):
+        SpikeSkip(warmup=1)  # a std needs two norms
+    with pytest.raises(ValueError, match="ratio"):
+        SpikeSkip(ratio=0.5)
+    with pytest.raises(ValueError, match="max_norm_abs"):
+        SpikeSkip(max_norm_abs=-1.0)
+    with pytest.raises(TypeError, match="spike takes a SpikeSkip"):
+        ShardedGradScaler("cpu", spike=6.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_consecutive_skips"):
+        ShardedGradScaler("cpu", max_consecutive_skips=0)
+
+
+SPIKES = {5: 50.0, 9: 1e3, 10: 40.0}  # step -> gradient factor
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {"z": 3.0, "window": 4, "warmup": 3},
+        {"z": None, "ratio": 2.5, "window": 6, "warmup": 2},
+        {"z": None, "max_norm_abs": 30.0, "window": 4, "warmup": 2},
+    ],
+    ids=["z", "ratio", "absolute"],
+)
+@pytest.mark.parametrize("clip", [False, True], ids=["step-alone", "unscale_and_clip"])
+def test_spike_decisions_and_weights_equal_a_reference_that_steps_on_taken_steps_only(
+    policy: dict[str, Any], clip: bool
+) -> None:
+    ours, ref = _params(), _params()
+    opt = torch.optim.SGD(ours, lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref, lr=0.05, momentum=0.9)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**8, spike=SpikeSkip(**policy))
+    accepted: list[float] = []
+    expected, got, norms = [], [], []
+    for step in range(14):
+        grads = _grads(step, SPIKES.get(step, 1.0))
+        norm = _norm(grads)
+        spike = reference_is_spike(norm, accepted, policy)
+        expected.append(spike)
+        if not spike:
+            accepted.append(norm)
+            for p, g in zip(ref, grads, strict=True):
+                p.grad = g.clone()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(ref, 4.0)
+            ref_opt.step()
+        for p, g in zip(ours, grads, strict=True):
+            p.grad = g * scaler.get_scale()  # what backward of a scaled loss gives
+        if clip:
+            norms.append(float(scaler.unscale_(opt, max_norm=4.0)))  # type: ignore[arg-type]
+        scaler.step(opt)
+        scaler.update()
+        got.append(bool(scaler.last_step_skipped))
+        reason = SkipReason(int(scaler.last_skip_reason))  # type: ignore[arg-type]
+        assert reason is (SkipReason.SPIKE if got[-1] else SkipReason.NONE)
+    assert got == expected
+    assert sum(expected) >= 2, "the case must really skip"
+    # The pre-clip norm is the one tested: 19 values summed in float32, so at most
+    # (19 + 8) * 2u + u relative error (u = 2**-24; see integration_tests/tolerances.py).
+    rtol = 55 * 2.0**-24
+    for step, ours_norm in enumerate(norms):
+        exact = _norm(_grads(step, SPIKES.get(step, 1.0)))
+        assert abs(ours_norm - exact) <= rtol * exact
+    # A spike is no overflow: the scale never backed off (growth_interval 2000: no growth).
+    assert scaler.get_scale() == 2.0**8
+    # Unscaling by a power of two is exact; clipping and SGD in float32: rounding only.
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-6)
+    window = scaler.state_dict()["spike_window"]
+    assert window == pytest.approx(accepted[-policy["window"] :], rel=1e-6)
+
+
+def test_a_spike_counts_for_growth_as_a_clean_step() -> None:
+    (p,) = _params()[:1]
+    opt = torch.optim.SGD([p], lr=0.0)
+    scaler = ShardedGradScaler(
+        "cpu", init_scale=4.0, growth_interval=3, spike=SpikeSkip(max_norm_abs=10.0, z=None)
+    )
+    skipped = []
+    for step in range(3):
+        p.grad = torch.full_like(p, 100.0 if step == 1 else 0.1) * scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(bool(scaler.last_step_skipped))
+    assert skipped == [False, True, False]
+    assert scaler.get_scale() == 8.0  # three finite steps: grown once, never backed off
+
+
+# -- the loss ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("check_loss", [False, True])
+def test_a_non_finite_loss_with_finite_gradients_skips_only_when_checked(check_loss: bool) -> None:
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler("cpu", check_loss=check_loss)
+    before = [p.detach().clone() for p in model.parameters()]
+    # The inf term does not depend on the parameters: its gradient is zero, the loss inf.
+    loss = model(torch.ones(2, 3)).sum() + torch.tensor(math.inf)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert bool(scaler.last_step_skipped) is check_loss
+    moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    assert moved is not check_loss
+    want = SkipReason.LOSS if check_loss else SkipReason.NONE
+    assert int(scaler.last_skip_reason) == want  # type: ignore[arg-type]
+    assert scaler.get_scale() == 2.0**16  # a loss skip does not back off
+    # The flag lasts one iteration.
+    scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert not bool(scaler.last_step_skipped)
+
+
+def test_reasons_follow_their_precedence() -> None:
+    (p,) = _params()[:1]
+    opt = torch.optim.SGD([p], lr=0.0)
+    scaler = ShardedGradScaler("cpu", loss_scaling=False, spike=SpikeSkip(max_norm_abs=1.0, z=None))
+    cases = [  # (gradient value, loss) -> the expected reason
+        (10.0, 1.0, SkipReason.SPIKE),
+        (10.0, math.nan, SkipReason.LOSS),  # a loss beats a spike
+        (math.inf, math.nan, SkipReason.NONFINITE),  # a non-finite gradient beats the loss
+        (0.01, 1.0, SkipReason.NONE),
+    ]
+    for value, loss, want in cases:
+        scaler.observe_loss(torch.tensor(loss))
+        p.grad = torch.full_like(p, value)
+        scaler.step(opt)
+        scaler.update()
+        assert int(scaler.last_skip_reason) == want, (value, loss)  # type: ignore[arg-type]
+        assert bool(scaler.last_step_skipped) is (want is not SkipReason.NONE)
+
+
+# -- streaks -------------------------------------------------------------------------------------
+
+
+def test_a_streak_of_skips_raises_at_the_update_that_reaches_the_limit() -> None:
+    (p,) = _params()[:1]
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = ShardedGradScaler(
+        "cpu", loss_scaling=False, max_consecutive_skips=3, spike=SpikeSkip(max_norm_abs=5.0)
+    )
+    bad = {1: math.nan, 2: 50.0, 4: math.inf, 5: 50.0}  # steps 1-2 and 4-5: streaks of 2
+    bad.update({6: math.nan})  # 4, 5, 6: the third in a row
+    raised_at = None
+    for step in range(8):
+        p.grad = torch.full_like(p, bad.get(step, 0.1))
+        scaler.step(opt)
+        try:
+            scaler.update()
+        except SkipStreakError as exc:
+            raised_at = step
+            assert exc.step == 7 and exc.streak == 3  # scaler steps are counted from 1
+            assert exc.reasons == (SkipReason.SPIKE, SkipReason.NONFINITE)
+            assert "steps 5 to 7" in str(exc) and "spike, nonfinite" in str(exc)
+            break
+    assert raised_at == 6
+    assert scaler.state_dict()["_skip_streak"] == 3  # the state is complete when it raises
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+
+def _train(scaler: ShardedGradScaler, steps: range) -> list[bool]:
+    (p,) = _params()[:1]
+    opt = torch.optim.SGD([p], lr=0.0)
+    out = []
+    for step in steps:
+        p.grad = torch.full_like(p, SPIKES.get(step, 1.0 + 0.01 * step))
+        scaler.step(opt)
+        scaler.update()
+        out.append(bool(scaler.last_step_skipped))
+    return out
+
+
+def test_the_window_after_resume_equals_the_uninterrupted_runs() -> None:
+    policy = SpikeSkip(window=4, warmup=3, z=3.0)
+    whole = ShardedGradScaler("cpu", loss_scaling=False, spike=policy)
+    uninterrupted = _train(whole, range(12))
+    head = ShardedGradScaler("cpu", loss_scaling=False, spike=policy)
+    first = _train(head, range(7))
+    saved = head.state_dict()
+    # torch.save/torch.load(weights_only=True) and a pickle of the scaler both keep it.
+    resumed = ShardedGradScaler("cpu", loss_scaling=False, spike=policy)
+    resumed.load_state_dict(saved)  # before any step: the window waits on the host
+    copied = pickle.loads(pickle.dumps(head))
+    assert first + _train(resumed, range(7, 12)) == uninterrupted
+    assert _train(copied, range(7, 12)) == uninterrupted[7:]
+    assert True in uninterrupted  # the spike at step 9 is skipped in every run
+    for other in (resumed, copied):
+        assert other.state_dict() == whole.state_dict()
+
+
+def test_a_bad_window_in_a_checkpoint_changes_nothing() -> None:
+    scaler = ShardedGradScaler("cpu", spike=SpikeSkip(window=4, warmup=2))
+    _train(scaler, range(3))
+    before = scaler.state_dict()
+    for bad in ({"spike_window": [1.0, math.nan]}, {"spike_window": [1.0], "spike_accepted": 0}):
+        with pytest.raises(ScalerStateError, match="spike_"):
+            scaler.load_state_dict({**before, **bad})
+        assert scaler.state_dict() == before
+
+
+# -- the skip signal -----------------------------------------------------------------------------
+
+
+def test_update_with_new_scale_publishes_a_fresh_verdict() -> None:
+    (p,) = _params()[:1]
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = ShardedGradScaler("cpu")
+    flags = []
+    for value in (math.inf, 0.1):
+        p.grad = torch.full_like(p, value)
+        scaler.step(opt)
+        scaler.update(new_scale=1024.0)
+        flags.append(scaler.last_step_skipped)
+    assert [bool(f) for f in flags] == [True, False]  # type: ignore[arg-type]
+    assert flags[0] is not flags[1]  # a new flag each update: consumers see a new step
+    assert scaler.get_scale() == 1024.0
+
+
+def test_step_records_carry_the_reason() -> None:
+    (p,) = _params()[:1]
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = ShardedGradScaler("cpu", spike=SpikeSkip(max_norm_abs=5.0, z=None))
+    records: list[StepRecord]
+    with recording_steps() as rec:
+        for value in (0.1, 50.0, math.inf):
+            p.grad = torch.full_like(p, value) * scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+        records = rec.records
+    assert [int(r.skip_reason) for r in records] == [0, 1, 4]  # type: ignore[arg-type]
+    assert [bool(r.skipped) for r in records] == [False, True, True]
+    assert [bool(r.found_inf) for r in records] == [False, False, True]  # only the overflow
+
+
+def test_several_optimizers_under_spike_are_refused_before_the_second_step() -> None:
+    a, b = _params()
+    opts = [torch.optim.SGD([a], lr=0.1), torch.optim.SGD([b], lr=0.1)]
+    scaler = ShardedGradScaler("cpu", spike=SpikeSkip())
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    scaler.step(opts[0])
+    before = b.detach().clone()
+    with pytest.raises(ValueError, match="one global norm per iteration"):
+        scaler.step(opts[1])
+    assert torch.equal(b.detach(), before)
+
+
+# -- schedules and averaged weights obey spike skips without a host read -------------------------
+
+
+def test_lr_and_ema_after_spike_skips_equal_a_reference_advanced_on_taken_steps() -> None:
+    model = torch.nn.Linear(4, 2)
+    ref_model = torch.nn.Linear(4, 2)
+    ref_model.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), fused=True)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=0.01)
+    scaler = ShardedGradScaler(
+        "cpu", loss_scaling=False, spike=SpikeSkip(max_norm_abs=20.0, z=None), check_loss=True
+    )
+    sched = DeviceLRSchedule(
+        opt, LinearSchedule(steps=10, start_factor=1.0, end_factor=0.1), scaler=scaler
+    )
+    ref_sched = torch.optim.lr_scheduler.LinearLR(
+        ref_opt, start_factor=1.0, end_factor=0.1, total_iters=10
+    )
+    avg = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    ref_avg = AveragedModel(ref_model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    spikes = {2, 3, 6}
+    seen: list[list[str]] = []
+    for step in range(9):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        factor = 1e3 if step in spikes else 1.0
+        for m in (model, ref_model):
+            m.zero_grad()
+        loss = model(x).square().mean() * factor
+        scaler.scale(loss).backward()
+        if step not in spikes:  # the reference takes only the steps the rule takes
+            (ref_model(x).square().mean() * factor).backward()
+            ref_opt.step()
+            ref_sched.step()
+            ref_avg.update_parameters(ref_model)
+        with HostReadRecorder() as detector:
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+            update_averaged_model(avg, model, scaler=scaler)
+        seen.append(detector.seen)
+    assert seen == [[]] * 9
+    # Fused vs for-loop AdamW over 6 taken steps: float32 rounding only.
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(ref_sched.get_last_lr()[0], rel=1e-6)
+    for a, b in zip(avg.module.parameters(), ref_avg.module.parameters(), strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+    assert int(avg.n_averaged) == int(ref_avg.n_averaged) == 9 - len(spikes)
