@@ -105,6 +105,18 @@ CASES: list[Bad] = [
         ("demo",),
     ),
     Bad(
+        "init-scale-with-bf16",
+        ("--precision", "bf16", "--init-scale", "1024"),
+        "--init-scale",
+        "--precision fp16",
+    ),
+    Bad(
+        "growth-interval-with-bf16",
+        ("--precision", "bf16", "--growth-interval", "5"),
+        "--growth-interval",
+        "leave --growth-interval out",
+    ),
+    Bad(
         "max-consecutive-skips-negative",
         ("--max-consecutive-skips", "-2"),
         "--max-consecutive-skips",

@@ -231,6 +231,14 @@ def check_args(args: argparse.Namespace, *, device: str, world_size: int) -> Tra
             f"stages (--mesh {args.mesh}) compute inside their schedule; leave --inject-spike out "
             "or use a mesh without pp"
         )
+    default = TrainConfig()
+    for option, name in (("--init-scale", "init_scale"), ("--growth-interval", "growth_interval")):
+        if cfg.precision != "fp16" and getattr(cfg, name) != getattr(default, name):
+            raise ValueError(
+                f"{option} sets fp16 loss scaling, but --precision {cfg.precision} runs without "
+                f"it (loss_scaling=False: the scale stays 1); leave {option} out or use "
+                "--precision fp16"
+            )
     if cfg.inject_spike > cfg.steps:
         raise ValueError(
             f"--inject-spike {cfg.inject_spike} is past the last step ({cfg.steps}); try e.g. "
