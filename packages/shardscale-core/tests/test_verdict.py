@@ -439,3 +439,18 @@ def test_lr_and_ema_after_spike_skips_equal_a_reference_advanced_on_taken_steps(
     for a, b in zip(avg.module.parameters(), ref_avg.module.parameters(), strict=True):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
     assert int(avg.n_averaged) == int(ref_avg.n_averaged) == 9 - len(spikes)
+
+
+def test_a_scaler_pickled_before_the_verdict_unpickles_as_torchs() -> None:
+    scaler = ShardedGradScaler("cpu", init_scale=8.0)
+    state = scaler.__getstate__()
+    for name in ("_loss_scaling", "_check_loss", "_spike", "_spike_window", "_streak"):
+        del state[name]  # what an older version pickled
+    old = ShardedGradScaler.__new__(ShardedGradScaler)
+    old.__setstate__(state)
+    (p,) = _params()[:1]
+    p.grad = torch.full_like(p, math.inf)
+    old.step(torch.optim.SGD([p], lr=0.1))
+    old.update()
+    assert int(old.last_skip_reason) == SkipReason.OVERFLOW  # type: ignore[arg-type]
+    assert old.get_scale() == 4.0 and old.loss_scaling and old.spike is None

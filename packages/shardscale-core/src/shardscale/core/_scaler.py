@@ -168,6 +168,11 @@ def _nonfinite_per_rank(
     return counts[0] if len(counts) == 1 else torch.stack(counts).sum(dim=0)
 
 
+def _strongest(flags: list[torch.Tensor]) -> torch.Tensor:
+    """The largest of 0-dim tensors (any skip, any overflow, the strongest reason)."""
+    return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
+
+
 class ShardedGradScaler:
     """Dynamic loss scaling for sharded and unsharded models.
 
@@ -966,19 +971,16 @@ class ShardedGradScaler:
                 continue
             skips.append(skip)
             overflow = state.overflow if state.overflow is not None else skip
-            overflows.append(overflow.to(device, non_blocking=True).reshape(()))
+            overflows.append(overflow.to(device, non_blocking=True))
             if state.reason is not None:
-                reasons.append(state.reason.to(device, non_blocking=True).reshape(()))
+                reasons.append(state.reason.to(device, non_blocking=True))
         if not skips:
             return None
-        skip = torch.stack(skips).amax()
-        found = torch.stack(overflows).amax().float()
-        if reasons:
-            reason = torch.stack(reasons).amax()
-        else:  # flags written by code outside the engine: a non-finite gradient, if any
+        if not reasons:  # flags written by code outside the engine: a non-finite gradient, if any
             kind = self._verdict().nonfinite_reason
-            reason = torch.where(skip > 0, int(kind), 0).to(torch.int64)
-        return skip, found, reason
+            reasons = [torch.where(flag > 0, int(kind), 0) for flag in skips]
+        # The common case, one optimizer, costs no device op here.
+        return _strongest(skips), _strongest(overflows), _strongest(reasons)
 
     def _set_scale(self, scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:
         if isinstance(new_scale, torch.Tensor):
@@ -1329,6 +1331,13 @@ class ShardedGradScaler:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # A scaler pickled before the verdict's options existed: torch's behaviour.
+        for name, value in (("_loss_scaling", True), ("_check_loss", False), ("_spike", None)):
+            state.setdefault(name, value)
+        state.setdefault("_spike_window", None)
+        state.setdefault("_streak", SkipStreak(None))
+        state.setdefault("_loss_flag", None)
+        state.setdefault("_last_reason", None)
         self.__dict__.update(state)
         # id()s do not survive a copy: take them again from the (copied) declared parameters.
         self._distinct_params = frozenset(id(p) for p in self._distinct_refs)

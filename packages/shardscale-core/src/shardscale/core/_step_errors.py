@@ -40,6 +40,7 @@ from shardscale.core._errors import (
     PluginNotFoundError,
     ShardscaleError,
 )
+from shardscale.core._host_copy import HostCopy
 from shardscale.core._step_vector import VectorLayout
 
 if TYPE_CHECKING:
@@ -124,35 +125,26 @@ class ErrorBlocks:
     read there with ``tolist()`` once the copy is known to be done.
     """
 
-    __slots__ = ("_event", "_host", "layout")
+    __slots__ = ("_copy", "layout")
 
     def __init__(self, vector: torch.Tensor, layout: VectorLayout) -> None:
         self.layout = layout
-        blocks = vector[layout.host_read()]
-        on_gpu = blocks.device.type == "cuda"
-        self._host = torch.empty(blocks.numel(), dtype=blocks.dtype, pin_memory=on_gpu)
-        self._host.copy_(blocks, non_blocking=on_gpu)
-        self._event: Any = None
-        if on_gpu:
-            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._event.record()
+        self._copy = HostCopy(vector[layout.host_read()])
 
     @property
     def on_device(self) -> bool:
         """Whether the copy is asynchronous (an accelerator's vector)."""
-        return self._event is not None
+        return self._copy.on_device
 
     def arrived(self) -> bool:
         """Whether the copy is done (always, off the GPU)."""
-        return self._event is None or bool(self._event.query())
+        return self._copy.arrived()
 
     def read(self, *, wait: bool) -> dict[str, list[float]] | None:
         """Each host-read block by name, or None if not ``wait`` and the copy is still on its way."""
-        if self._event is not None:
-            if not wait and not self._event.query():
-                return None
-            self._event.synchronize()
-        values: list[float] = self._host.tolist()
+        values = self._copy.read(wait=wait)
+        if values is None:
+            return None
         w = self.layout.world
         return {name: values[i * w : (i + 1) * w] for i, name in enumerate(self.layout.HOST_READ)}
 

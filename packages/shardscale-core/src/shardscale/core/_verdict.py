@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from shardscale.core._errors import SkipStreakError
+from shardscale.core._host_copy import HostCopy
 
 __all__ = [
-    "HostCopy",
     "SkipReason",
     "SkipStreak",
     "SpikeSkip",
@@ -269,48 +269,18 @@ def decide(
     the reduced vector; ``norm`` the step's global norm (None: no spike test).
     Without a ``verdict`` (a clip call) only errors and non-finite gradients count.
     """
-    reason = torch.zeros((), dtype=torch.int64, device=error.device)
+    # In increasing precedence, each overrides the ones before.
+    reason: torch.Tensor | int = 0
     kind = SkipReason.NONFINITE
     if verdict is not None:
         kind = verdict.nonfinite_reason
         if verdict.spike is not None and norm is not None:
             spike = verdict.spike.is_spike(norm).to(error.device)
-            reason = torch.where(spike, int(SkipReason.SPIKE), reason)
+            reason = torch.where(spike, int(SkipReason.SPIKE), 0)
         reason = torch.where(loss_nonfinite, int(SkipReason.LOSS), reason)
-    # In increasing precedence, each overrides the ones before.
     reason = torch.where(nonfinite, int(kind), reason)
     reason = torch.where(error, int(SkipReason.ERROR), reason)
     return (reason > 0).to(torch.float32), reason
-
-
-class HostCopy:
-    """A few device values copied to host memory without a host sync (pinned, async on a GPU).
-
-    Readable at once off the GPU; on a GPU once its event completed, or by waiting.
-    """
-
-    __slots__ = ("_event", "_host")
-
-    def __init__(self, values: torch.Tensor) -> None:
-        on_gpu = values.device.type == "cuda"
-        self._host = torch.empty(values.numel(), dtype=values.dtype, pin_memory=on_gpu)
-        self._host.copy_(values.reshape(-1), non_blocking=on_gpu)
-        self._event: Any = None
-        if on_gpu:
-            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._event.record()
-
-    @property
-    def on_device(self) -> bool:
-        """Whether the copy is asynchronous."""
-        return self._event is not None
-
-    def read(self) -> list[int]:
-        """The values, waiting for the copy if it has not arrived."""
-        if self._event is not None:
-            self._event.synchronize()
-        values: list[int] = self._host.tolist()
-        return values
 
 
 class SkipStreak:
@@ -368,7 +338,9 @@ class SkipStreak:
         copy, self._copy = self._copy, None
         if copy is None or self.limit is None:
             return
-        count, mask = copy.read()
+        values = copy.read()
+        assert values is not None  # read() waits
+        count, mask = (int(v) for v in values)
         if count < self.limit:
             return
         reasons = tuple(r for r in SkipReason if r and mask & (1 << r))
