@@ -8,7 +8,8 @@ the same model on the whole batch in its own process, which decides with the
 rules written here (a non-finite norm skips; the spike rule with Python's
 ``statistics`` over its own accepted norms) and steps only on the steps it
 takes. The event -- a nan, or a gradient spike -- is injected on ONE rank: a
-pipeline stage that never sees the loss, or one expert shard.
+pipeline stage that never sees the loss, or one expert shard; or the last
+stage, the only one holding a loss, observes a non-finite one.
 
 Also: the spike window after a ``torch.distributed.checkpoint`` resume equals
 the uninterrupted run's, and a streak of skips stops every rank at the same
@@ -123,6 +124,7 @@ def verdict_case(name: str, event: str) -> dict[str, Any]:
         grads = [p.grad for p in ref.parameters() if p.grad is not None]
         ref_norm = float(torch.nn.utils.get_total_norm(grads))
         skip = not math.isfinite(ref_norm) or reference_is_spike(ref_norm, accepted, SPIKE)
+        skip = skip or (hit and event == "loss")  # the reference's loss was not finite
         if not skip:
             accepted.append(ref_norm)
             torch.nn.utils.clip_grad_norm_(ref.parameters(), pe.MAX_NORM)
@@ -132,7 +134,10 @@ def verdict_case(name: str, event: str) -> dict[str, Any]:
         # Ours: the event on one rank only.
         opt.zero_grad(set_to_none=True)
         setup.forward_backward(scaler, x, y)
-        if hit and rank == setup.poison_rank:
+        if hit and event == "loss" and getattr(setup, "is_last", False):
+            # Only the last stage holds the loss; the others add 0 to the vector's slot.
+            scaler.observe_loss(torch.tensor(math.inf))
+        elif hit and rank == setup.poison_rank:
             if event == "nan":
                 _nan_first(setup.params())
             else:
@@ -156,6 +161,7 @@ def verdict_case(name: str, event: str) -> dict[str, Any]:
 
 CASES = [
     ("pp", "spike"),  # a stage that never sees the loss
+    ("pp", "loss"),  # a non-finite loss, held by the last stage only
     ("ep", "spike"),  # one DTensor expert shard
     ("ep_plain", "spike"),  # one rank's plain experts (distinct_params)
     ("pp_fsdp", "nan"),  # FSDP2 inside the first stage, on its dp rank 0
@@ -168,7 +174,7 @@ def test_every_rank_decides_as_the_reference(pool4: Pool, name: str, event: str)
     results: list[dict[str, Any]] = pool4.run(verdict_case, name, event)  # type: ignore[assignment]
     first = results[0]
     world = len(results)
-    want = SkipReason.SPIKE if event == "spike" else SkipReason.NONFINITE
+    want = {"spike": SkipReason.SPIKE, "nan": SkipReason.NONFINITE, "loss": SkipReason.LOSS}[event]
     # Norms of gradients that agree to rounding, summed in different orders (as in
     # test_pipeline_expert): twice the norm bound plus one rounding per summed row.
     bound = (
@@ -191,6 +197,70 @@ def test_every_rank_decides_as_the_reference(pool4: Pool, name: str, event: str)
         assert res["param_diff"] <= param_bound, f"rank {rank}: {res['param_diff']}"
         assert res["window"] == first["window"]  # fed from the reduced norm: the same everywhere
     assert len(first["window"]) == SPIKE["window"]
+
+
+def fsdp_spike_case() -> dict[str, Any]:
+    """1-D FSDP2 over every rank; rank 3's loss share is x1e3 at the event (step alone, fp16)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from shardscale.core import ShardedGradScaler, SpikeSkip
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = pe.chain(), pe.chain()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    pe._sum_gradients(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**10, spike=SpikeSkip(**SPIKE))
+    out: dict[str, Any] = {"skipped": [], "ref_skipped": [], "reasons": []}
+    accepted: list[float] = []
+    for step in range(STEPS):
+        x, y = pe.batch(step)
+        factors = [SPIKE_FACTOR if (step == EVENT_STEP and r == 3) else 1.0 for r in range(world)]
+        # Reference: every rank's share of the loss, the spiking one included, in one process.
+        ref_opt.zero_grad(set_to_none=True)
+        shares = zip(x.chunk(world), y.chunk(world), factors, strict=True)
+        sum(f * pe.loss_sum(ref(xr), yr) for xr, yr, f in shares).backward()  # type: ignore[union-attr]
+        norm = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+        skip = reference_is_spike(norm, accepted, SPIKE)
+        if not skip:
+            accepted.append(norm)
+            ref_opt.step()
+        out["ref_skipped"].append(skip)
+        # Ours: no clip call, so the step computes the norm in its one read and all-reduce.
+        opt.zero_grad(set_to_none=True)
+        loss = pe.loss_sum(model(x.chunk(world)[rank]), y.chunk(world)[rank]) * factors[rank]
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        out["skipped"].append(bool(scaler.last_step_skipped))
+        out["reasons"].append(int(scaler.last_skip_reason))  # type: ignore[arg-type]
+    theirs = [p.detach() for p in ref.parameters()]
+    ours = [pe._full(p) for p in model.parameters()]
+    out["param_diff"] = max(
+        float((a - b).abs().max() / b.abs().max()) for a, b in zip(ours, theirs, strict=True)
+    )
+    out["numel"] = sum(p.numel() for p in ref.parameters())
+    out["scale"] = scaler.get_scale()
+    return out
+
+
+def test_a_spike_on_one_fsdp2_rank_without_a_clip_call(pool4: Pool) -> None:
+    results: list[dict[str, Any]] = pool4.run(fsdp_spike_case)  # type: ignore[assignment]
+    # Unclipped SGD steps on gradients that agree to rounding (a reduce-scatter sums the
+    # shares in another order): one rounding per summed row per step, accumulated.
+    bound = STEPS * 4 * pe.ROWS * torch.finfo(torch.float32).eps
+    for rank, res in enumerate(results):
+        assert res["ref_skipped"] == [s == EVENT_STEP for s in range(STEPS)], res["ref_skipped"]
+        assert res["skipped"] == res["ref_skipped"], f"rank {rank}: {res['skipped']}"
+        assert res["reasons"] == [SkipReason.SPIKE if s == EVENT_STEP else 0 for s in range(STEPS)]
+        assert res["param_diff"] <= bound, f"rank {rank}: {res['param_diff']}"
+        assert res["scale"] == 2.0**10  # a spike does not back the scale off
 
 
 # -- checkpoint and streak on a 1-D FSDP2 model ---------------------------------------------------
