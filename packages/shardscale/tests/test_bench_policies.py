@@ -46,3 +46,18 @@ def test_quick_policies_run_measures_every_arm_with_one_collective(tmp_path: Pat
     md = (out / "bench-policies.md").read_text()
     table = [line for line in md.splitlines() if line.startswith("|")]
     assert len(table) == 2 + len(POLICY_ARMS)  # header, separator, one row per arm
+    # --from-json reprints it, Markdown included, without running anything.
+    again = subprocess.run(
+        [sys.executable, "-m", "shardscale.cli", "bench", "--from-json",
+         str(out / "bench-policies.json"), "--markdown"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert again.returncode == 0 and again.stdout.strip() == md.strip(), again.stderr
+
+
+def test_policies_refuse_the_scaling_options(tmp_path: Path) -> None:
+    from shardscale.cli._app import main
+
+    for extra in (["--scaling-only"], ["--scaling-points", "8"]):
+        assert main(["bench", "--policies", *extra, "--out", str(tmp_path / "b")]) == 2
+    assert not (tmp_path / "b").exists()

@@ -204,7 +204,13 @@ def _load_runs(paths: list[Path]) -> list[dict[str, Any]]:
             raise BenchOptionError(f"--from-json {path}: {type(exc).__name__}: {exc}") from None
         if not isinstance(data, dict) or data.get("schema") != 1:
             raise BenchOptionError(f"--from-json {path}: not a shardscale bench JSON (schema 1)")
-        runs.append(analyse(data))
+        # A --policies run is printed as it was written (its analysis is inside it).
+        runs.append(data if data.get("kind") == "policies" else analyse(data))
+    kinds = {run.get("kind", "engine") for run in runs}
+    if len(kinds) > 1:
+        raise BenchOptionError(
+            "--from-json mixes --policies runs with the engine benchmark's; give one kind at a time"
+        )
     return runs
 
 
@@ -248,6 +254,12 @@ def plot_bench_json(result: dict[str, Any], path: Path) -> Path:
 def _print_runs(runs: list[dict[str, Any]], markdown: bool, out: TextIO) -> None:
     from shardscale.cli.bench import format_markdown, format_ranges, format_table
 
+    if runs[0].get("kind") == "policies":
+        from shardscale.cli.bench._policies import format_policies
+
+        print("\n\n".join(format_policies(run, markdown=markdown) for run in runs), file=out)
+        return
+
     print(format_markdown(runs[0]) if markdown else format_table(runs[0]), file=out)
     if len(runs) > 1:
         print("\n" + format_ranges(runs), file=out)
@@ -279,6 +291,11 @@ def run_bench(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
         if args.from_json:
             _print_runs(_load_runs(list(args.from_json)), args.markdown, out)
             return 0
+        if args.policies and (args.scaling_only or args.scaling_points is not None):
+            raise BenchOptionError(
+                "--policies times the skip policies only; --scaling-only and --scaling-points "
+                "belong to the engine benchmark (leave them out, or run without --policies)"
+            )
         cfg = config_from_args(args)
         _check_outputs(args)
     except BenchOptionError as exc:
