@@ -123,10 +123,7 @@ def read_rows(records: Sequence[StepRecord], *, rank: int, times: Sequence[float
         offsets[dev] = start + tensor.numel()
 
     for name in _SCALARS:
-        # getattr with a default: a record built by an older caller may lack a newer field.
-        present = [
-            (i, t) for i, r in enumerate(records) if (t := getattr(r, name, None)) is not None
-        ]
+        present = [(i, t) for i, r in enumerate(records) if (t := getattr(r, name)) is not None]
         by_dev: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for i, t in present:
             by_dev.setdefault(t.device, []).append((i, t))
