@@ -39,7 +39,7 @@ CLIP = 0.05
 DIM = 8
 
 
-def _fresh_accelerator(**kwargs: Any) -> Any:
+def _fresh_accelerator(mixed_precision: str = "fp16", **kwargs: Any) -> Any:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
@@ -51,7 +51,7 @@ def _fresh_accelerator(**kwargs: Any) -> Any:
         {"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": str(world),
          "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29556"}
     )  # fmt: skip
-    return Accelerator(cpu=True, mixed_precision="fp16", **kwargs)
+    return Accelerator(cpu=True, mixed_precision=mixed_precision, **kwargs)
 
 
 def _setup(kind: str, fused: bool, init_scale: float) -> tuple[Any, Any, Any, Any]:
@@ -346,3 +346,84 @@ def test_expert_parallel_plain_tensors_clip_by_the_true_norm(pool2: Pool) -> Non
             assert row["ours"] == pytest.approx(
                 row["true"], rel=norm_rtol(numel, torch.float32, 2.0)
             )
+
+
+# -- skip policies without loss scaling: bf16 + loss_scaling=False + spike + streak -------------
+#
+# The one option: use_shardscale(accelerator, loss_scaling=False, spike=..., ...) on a bf16
+# Accelerator (which builds no scaler of its own). A spike (the loss times 1e4 on rank 1: finite
+# gradients far above the threshold) and a nan loss on rank 0 are injected at known steps;
+# whether a step is a spike is decided here from torch's own norm (float64). Then two nan steps
+# in a row reach max_consecutive_skips=2: every rank raises at the same step.
+
+SPIKE_STEP, NAN_STEP = 3, 5
+SPIKE_ABS = 100.0  # far above this model's clean pre-clip norms (checked), far below 1e4 times
+
+
+def _policy_case() -> dict[str, Any]:
+    from shardscale.accelerate import use_shardscale
+    from shardscale.core import SkipStreakError, SpikeSkip
+
+    acc = _fresh_accelerator("bf16")
+    assert acc.scaler is None  # Accelerate's bf16: no scaler, no guard
+    scaler = use_shardscale(
+        acc, loss_scaling=False, spike=SpikeSkip(max_norm_abs=SPIKE_ABS, z=None),
+        max_consecutive_skips=2,
+    )  # fmt: skip
+    net = _net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))
+    model, opt, sched = acc.prepare(net, opt, sched)
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(100 + rank)
+    rows: list[dict[str, Any]] = []
+    streak: dict[str, Any] = {}
+    for step in range(STEPS + 2):
+        loss = (model(torch.randn(8, DIM, generator=g)).float() - 1.0).pow(2).mean()
+        if step == SPIKE_STEP and rank == 1:
+            loss = loss * 1e4
+        if (step == NAN_STEP and rank == 0) or step >= STEPS:  # then a streak of two
+            loss = loss * math.nan
+        acc.backward(loss)
+        ref = _norm([p.grad for p in model.parameters()])
+        acc.clip_grad_norm_(model.parameters(), CLIP)
+        try:
+            opt.step()
+        except SkipStreakError as exc:
+            streak = {"step": step, "streak": exc.streak, "reasons": [int(r) for r in exc.reasons]}
+            break
+        sched.step()
+        opt.zero_grad()
+        rows.append({"ref_norm": ref, "skipped": acc.optimizer_step_was_skipped,
+                     "reason": int(scaler.last_skip_reason), "scale": scaler.get_scale(),
+                     "sched": sched.scheduler.last_epoch, "lr": opt.param_groups[0]["lr"]})  # fmt: skip
+    return {"rows": rows[:STEPS], "streak": streak, "params": _params(net)}
+
+
+def test_bf16_spike_nonfinite_and_streak_through_the_one_option(pool2: Pool) -> None:
+    from shardscale.core import SkipReason
+
+    expected = {SPIKE_STEP: SkipReason.SPIKE, NAN_STEP: SkipReason.NONFINITE}
+    results = pool2.run(_policy_case)
+    for rank, res in enumerate(results):
+        rows = res["rows"]
+        assert len(rows) == STEPS
+        norms = [r["ref_norm"] for r in rows]
+        assert norms[SPIKE_STEP] > SPIKE_ABS and math.isfinite(norms[SPIKE_STEP])
+        assert all(n < SPIKE_ABS for i, n in enumerate(norms) if i not in expected)
+        # Every rank skips exactly those steps, for that reason; the scale stays 1.
+        assert [r["skipped"] for r in rows] == [i in expected for i in range(STEPS)], (rank, rows)
+        assert [r["reason"] for r in rows] == [
+            int(expected.get(i, SkipReason.NONE)) for i in range(STEPS)
+        ]
+        assert {r["scale"] for r in rows} == {1.0}
+        # The prepared scheduler held on both (it steps once per process on a taken step).
+        taken = STEPS - len(expected)
+        assert rows[-1]["sched"] == 2 * taken
+        assert rows[-1]["lr"] == pytest.approx(1e-2 / (1.0 + 2 * taken), rel=1e-12)
+        # The second nan step in a row raises on every rank, at that step, naming the reason.
+        assert res["streak"] == {
+            "step": STEPS + 1, "streak": 2, "reasons": [int(SkipReason.NONFINITE)]
+        }  # fmt: skip
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)

@@ -575,3 +575,115 @@ def test_expert_parallel_plain_tensors_clip_by_the_true_norm(pool2: Pool) -> Non
         for true, ours in zip(res["true"], res["ours"], strict=True):
             # ours (float32 accumulation) against the float64 reference: one norm_rtol
             assert ours == pytest.approx(true, rel=norm_rtol(numel, torch.float32, 2.0)), res
+
+
+# -- skip policies without loss scaling: bf16-mixed + loss_scaling=False + spike=SpikeSkip ----
+#
+# The one option: ShardscalePrecision("bf16-mixed", loss_scaling=False, spike=...). A spike
+# (the loss times 1e4 on rank 1: finite gradients far above the threshold) and a nan loss on
+# rank 0 (non-finite gradients) are injected at known steps. Whether each step is a spike is
+# decided here from torch's own norm of the gradients (float64), not read from the scaler.
+
+SPIKE_STEP, NAN_STEP = 3, 5
+SPIKE_ABS = 100.0  # far above this model's clean pre-clip norms (checked), far below 1e4 times
+
+
+class _PolicyNet(_Net):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        loss = (self.net(x).float() - 1.0).pow(2).mean()
+        if self.global_step == SPIKE_STEP and dist.get_rank() == 1:
+            loss = loss * 1e4
+        if self.global_step == NAN_STEP and dist.get_rank() == 0:
+            loss = loss * math.nan
+        return loss
+
+
+class _PolicyRecorder(_Recorder):
+    """Also keeps an EMA of the weights with update_averaged_model (DDP: plain modules), and
+    torch's AveragedModel.update_parameters called only on the steps expected to be taken."""
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        super().on_train_start(trainer, pl_module)
+        self.ema = self.ref_ema = None
+        if pl_module.layout == "ddp":
+            self.ema = AveragedModel(pl_module.net, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+            self.ref_ema = AveragedModel(pl_module.net, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        from shardscale.core import update_averaged_model
+
+        super().on_train_batch_end(trainer, pl_module, *args)
+        self.steps[-1]["reason"] = int(self.plugin.scaler.last_skip_reason)
+        if self.ema is not None and self.ref_ema is not None:
+            update_averaged_model(self.ema, pl_module.net, scaler=self.plugin.scaler)
+            if len(self.steps) - 1 not in (SPIKE_STEP, NAN_STEP):
+                self.ref_ema.update_parameters(pl_module.net)
+
+
+def _policy_case(strategy: str, fused: bool) -> dict[str, Any]:
+    from shardscale.core import SpikeSkip
+    from shardscale.lightning import ShardscalePrecision
+
+    _launch_env()
+    plugin = ShardscalePrecision(
+        "bf16-mixed",
+        device="cpu",
+        loss_scaling=False,
+        spike=SpikeSkip(max_norm_abs=SPIKE_ABS, z=None),
+    )
+    rec = _PolicyRecorder(plugin)
+    model = _PolicyNet(fused=fused, layout=strategy, override_clip=False)
+    trainer = _trainer(plugin, strategy, STEPS, rec, gradient_clip_val=CLIP)
+    trainer.fit(model, _loader(dist.get_rank(), STEPS))
+    ema_equal = None
+    if rec.ema is not None and rec.ref_ema is not None:
+        pairs = zip(rec.ema.state_dict().values(), rec.ref_ema.state_dict().values(), strict=True)
+        ema_equal = all(torch.equal(a, b) for a, b in pairs)
+    return {
+        "steps": rec.steps,
+        "params": _full_params(model),
+        "sched": trainer.lr_scheduler_configs[0].scheduler.last_epoch,
+        "ema_equal": ema_equal,
+    }
+
+
+def _check_policy(results: list[dict[str, Any]]) -> None:
+    from shardscale.core import SkipReason
+
+    expected = {SPIKE_STEP: SkipReason.SPIKE, NAN_STEP: SkipReason.NONFINITE}
+    for rank, res in enumerate(results):
+        steps = res["steps"]
+        assert len(steps) == STEPS
+        # The reference decision: a spike where torch's norm exceeds the threshold.
+        norms = [s["ref_norm"] for s in steps]
+        assert norms[SPIKE_STEP] > SPIKE_ABS and math.isfinite(norms[SPIKE_STEP])
+        assert not math.isfinite(norms[NAN_STEP])
+        assert all(n < SPIKE_ABS for i, n in enumerate(norms) if i not in expected)
+        # Every rank skips exactly those steps, for that reason; the scale stays 1.
+        assert [s["skipped"] for s in steps] == [i in expected for i in range(STEPS)], (rank, steps)
+        assert [s["reason"] for s in steps] == [
+            int(expected.get(i, SkipReason.NONE)) for i in range(STEPS)
+        ]
+        assert {s["scale"] for s in steps} == {1.0}
+        # The scheduler did not advance on either skipped step.
+        taken = STEPS - len(expected)
+        assert res["sched"] == taken
+        assert steps[-1]["lr"] == pytest.approx(1e-2 / (1.0 + taken), rel=1e-12)
+        assert steps[-1]["logged"]["shardscale/skip_reason"] == 0.0
+        # Averaged weights (DDP): bit for bit torch's, updated on the taken steps only.
+        assert res["ema_equal"] in (True, None)
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bf16_spike_and_nonfinite_skips_hold_the_scheduler_and_ema_ddp(pool2: Pool) -> None:
+    results = pool2.run(_policy_case, "ddp", False)
+    _check_policy(results)
+    assert all(res["ema_equal"] is True for res in results)
+
+
+def test_bf16_spike_and_nonfinite_skips_hold_the_scheduler_fsdp2_fused(pool2: Pool) -> None:
+    _check_policy(pool2.run(_policy_case, "model_parallel", True))

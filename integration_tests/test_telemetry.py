@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from mp_harness import Pool
 
+from shardscale.core import SkipReason
 from shardscale.core.testing import HostReadRecorder
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -152,8 +153,10 @@ def test_env_var_observers_on_fsdp2_over_two_ranks(pool2: Pool, tmp_path: Path) 
                 # Only rank 1 was poisoned; every rank knows it from the step's vector.
                 assert ln["overflow_ranks"] == [1] and ln["overflow_counts"][0] >= 1
                 assert ln["grad_norm"] is None  # inf, written as null
+                assert ln["skip_reason"] == "overflow"  # a non-finite gradient, fp16 scaling
             else:
                 assert ln["overflow_ranks"] == [] and math.isfinite(ln["grad_norm"])
+                assert ln["skip_reason"] is None
         got = _scalars(tmp_path / "tb" / f"rank{rank}")
         assert set(got) == {f"shardscale/{t}" for t in TENSORBOARD_TAGS}
         for tag, values in got.items():
@@ -171,6 +174,8 @@ def test_env_var_observers_on_fsdp2_over_two_ranks(pool2: Pool, tmp_path: Path) 
             assert [r["shardscale/step"] for r in rows] == steps
             assert [r["shardscale/scale"] for r in rows] == results[0]["scales"]  # type: ignore[index]
             assert [r["shardscale/skipped"] for r in rows] == [int(s) for s in skipped]
+            overflow = int(SkipReason.OVERFLOW)
+            assert [r["shardscale/skip_reason"] for r in rows] == [overflow * s for s in skipped]
 
 
 def test_demo_writes_tensorboard_events_from_the_environment(tmp_path: Path) -> None:

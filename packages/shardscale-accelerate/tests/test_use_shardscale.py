@@ -137,6 +137,21 @@ def test_grad_scaler_kwargs_handler_and_options_build_the_scaler() -> None:
     assert not use_shardscale(_fresh(mixed_precision="bf16")).is_enabled()
 
 
+@pytest.mark.parametrize("precision", ["bf16", "no", "fp16"])
+def test_loss_scaling_false_enables_the_guard_on_any_precision(precision: str) -> None:
+    from shardscale.core import SpikeSkip
+
+    spike = SpikeSkip()
+    scaler = use_shardscale(
+        _fresh(mixed_precision=precision), loss_scaling=False, spike=spike, check_loss=True
+    )
+    assert scaler.is_enabled() and not scaler.loss_scaling and scaler.get_scale() == 1.0
+    assert scaler.spike is spike
+    # enabled=False still wins when asked for.
+    off = use_shardscale(_fresh(mixed_precision=precision), loss_scaling=False, enabled=False)
+    assert not off.is_enabled()
+
+
 def _fresh(**kw: Any) -> Accelerator:
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -370,3 +385,57 @@ def test_both_clip_paths_use_the_scalers_kernels(subset: bool, kernels: str | No
         assert recorder.calls == []  # never chosen by itself
     else:
         assert recorder.calls.count("norms") == 1 and recorder.calls.count("mul") == 1
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_device_schedule_and_ema_hold_on_a_spike_skip_in_bf16() -> None:
+    """The skip-aware pieces of core through the one option: LR and EMA advance on taken steps.
+
+    The reference is torch's own: ``LinearLR`` stepped and ``AveragedModel.update_parameters``
+    called only on the steps this test decides were taken (a loss blown up by 1e4 at SPIKE
+    gives a norm above the threshold, measured here with torch in float64).
+    """
+    import copy
+
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    from shardscale.core import DeviceLRSchedule, LinearSchedule, SpikeSkip, update_averaged_model
+
+    steps, spike_at, threshold = 6, 2, 100.0
+    acc = _accelerator(mixed_precision="bf16")
+    scaler = use_shardscale(
+        acc, loss_scaling=False, spike=SpikeSkip(max_norm_abs=threshold, z=None)
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    ref_ema = copy.deepcopy(ema)
+    raw = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)  # reads a tensor lr
+    sched = DeviceLRSchedule(
+        raw, LinearSchedule(start_factor=1.0, end_factor=0.1, steps=4), scaler=scaler
+    )
+    ref_sched = torch.optim.lr_scheduler.LinearLR(
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
+        start_factor=1.0, end_factor=0.1, total_iters=4,
+    )  # fmt: skip
+    model, opt = acc.prepare(model, raw)
+    taken = []
+    for step in range(steps):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        loss = model(x).float().square().mean() * (1e4 if step == spike_at else 1.0)
+        acc.backward(loss)
+        norm = float(torch.nn.utils.get_total_norm([p.grad.double() for p in model.parameters()]))
+        taken.append(norm <= threshold)
+        opt.step()
+        sched.step()
+        update_averaged_model(ema, model, scaler=scaler)
+        opt.zero_grad()
+        if taken[-1]:
+            ref_sched.step()
+            ref_ema.update_parameters(model)
+        # The learning rate the next step uses: torch's stepped on the taken steps only.
+        assert float(raw.param_groups[0]["lr"]) == pytest.approx(ref_sched.get_last_lr()[0])
+    assert taken == [i != spike_at for i in range(steps)]
+    assert acc.optimizer_step_was_skipped is False and int(scaler.last_skip_reason) == 0
+    for a, b in zip(ema.state_dict().values(), ref_ema.state_dict().values(), strict=True):
+        assert torch.equal(a, b)  # update_averaged_model is bit-exact to update_parameters

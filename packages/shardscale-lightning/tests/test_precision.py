@@ -86,6 +86,34 @@ def test_bad_arguments_name_the_problem() -> None:
         ShardscalePrecision("16-mixed", device="cpu", init_scale=-1.0)  # the scaler's own check
 
 
+def test_loss_scaling_false_is_the_one_option_of_the_guard_without_scaling() -> None:
+    from shardscale.core import SpikeSkip
+
+    # A precision that does not scale takes scaler options only with loss_scaling=False ...
+    with pytest.raises(ValueError, match=r"\[.spike.\]\) need loss_scaling=False"):
+        ShardscalePrecision("bf16-mixed", spike=SpikeSkip())
+    with pytest.raises(ValueError, match="need loss_scaling=False"):
+        ShardscalePrecision("32-true", loss_scaling=True)
+    with pytest.raises(ValueError, match="must be built with loss_scaling=False"):
+        ShardscalePrecision("bf16-true", scaler=ShardedGradScaler("cpu"))
+    # ... which builds the guard: scale 1, the policies set, as the scaler was asked.
+    spike = SpikeSkip(z=4.0)
+    for precision in ("bf16-mixed", "32-true", "16-true", "bf16-true"):
+        plugin = ShardscalePrecision(
+            precision, device="cpu", loss_scaling=False, spike=spike, max_consecutive_skips=3
+        )  # type: ignore[arg-type]
+        scaler = plugin.scaler
+        assert scaler is not None and not scaler.loss_scaling and scaler.get_scale() == 1.0
+        assert scaler.spike is spike and scaler.max_consecutive_skips == 3
+    ready = ShardedGradScaler("cpu", loss_scaling=False)
+    assert ShardscalePrecision("bf16-mixed", scaler=ready).scaler is ready
+    # Without the option nothing changes: no scaler for a precision that does not scale.
+    assert ShardscalePrecision("bf16-mixed").scaler is None
+    # 16-mixed passes the policies through to its loss-scaling scaler.
+    fp16 = ShardscalePrecision("16-mixed", device="cpu", spike=spike, check_loss=True).scaler
+    assert fp16 is not None and fp16.loss_scaling and fp16.spike is spike
+
+
 # -- the scheduler hold -----------------------------------------------------------------------
 
 

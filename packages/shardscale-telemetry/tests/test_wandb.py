@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from shardscale import telemetry
+from shardscale.core import SkipReason
 from shardscale.telemetry import TelemetryConfigError, WandbObserver
 
 pytest.importorskip("wandb", reason="the wandb extra is not installed")
@@ -33,6 +34,8 @@ def test_offline_run_holds_one_history_row_per_step(
     assert [r["shardscale/scale"] for r in rows] == truth.scales
     assert [r["shardscale/skipped"] for r in rows] == [int(s) for s in truth.skipped]
     assert [r["shardscale/overflow_ranks"] for r in rows] == [int(s) for s in truth.skipped]
+    overflow = int(SkipReason.OVERFLOW)  # fp16 scaling: a poisoned gradient is an overflow
+    assert [r["shardscale/skip_reason"] for r in rows] == [overflow * s for s in truth.skipped]
     by_hand = loop.expected_scales(5, poison, init=2048.0, interval=2)
     assert [r["shardscale/growth_tracker"] for r in rows] == [t for _, t in by_hand]
     for r, norm in zip(rows, truth.norms, strict=True):

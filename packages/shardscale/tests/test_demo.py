@@ -74,7 +74,39 @@ def test_demo_loss_falls_and_plot_exists(run_cli, tmp_path: Path) -> None:
     # Overflow localisation on the first real skip: the ranks and the parameters by name.
     report = metrics["summary"]["first_overflow"]
     assert "non-finite gradients on rank(s)" in report and ".weight" in report, report
-    assert "first skipped step" in proc.stdout
+    assert "first skipped step (overflow)" in proc.stdout
+    # Every skipped step says why: fp16 overflow, counted by reason in the summary.
+    assert [h["skip_reason"] for h in history] == [
+        "overflow" if h["skipped"] else None for h in history
+    ]
+    skipped = metrics["summary"]["skipped_steps"]
+    assert metrics["summary"]["skip_reasons"] == {"overflow": skipped}
+    assert f"({skipped}: {skipped} overflow)" in proc.stdout
+
+
+SPIKE_AT = 30  # after the spike window armed (24 accepted steps)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_bf16_without_loss_scaling_skips_an_injected_spike_on_every_rank(
+    run_cli, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    proc = run_cli(["demo", "--steps", "32", "--out", str(out), "--device", "cpu", "--precision",
+                    "bf16", "--spike", "--inject-spike", str(SPIKE_AT), *FAST], timeout=200)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    metrics = _read(out / "metrics.json")
+    history = metrics["history"]
+    # bf16 runs with loss_scaling=False: the scale stays 1, nothing overflows, and the one step
+    # whose loss rank 0 multiplied by 1e3 (a finite norm far above the window) is the one skip.
+    assert {h["scale"] for h in history} == {1.0}
+    assert [h["step"] for h in history if h["skipped"]] == [SPIKE_AT]
+    assert history[SPIKE_AT - 1]["skip_reason"] == "spike"
+    assert metrics["summary"]["skip_reasons"] == {"spike": 1}
+    assert "(1: 1 spike)" in proc.stdout and "first skipped step (spike)" in proc.stdout
+    r0, r1 = _read(out / "result-rank0.json"), _read(out / "result-rank1.json")
+    assert r0["params_sha256"] == r1["params_sha256"] and r0["skipped_steps"] == 1
 
 
 @pytest.mark.multiprocess

@@ -103,7 +103,7 @@ class ShardscaleAcceleratedOptimizer(AcceleratedOptimizer):  # type: ignore[misc
 
     @property
     def step_was_skipped(self) -> bool:
-        """Whether this optimizer's last synchronised step was skipped on every rank (overflow)."""
+        """Whether this optimizer's last synchronised step was skipped on every rank (any reason)."""
         flag: torch.Tensor | None = getattr(self, "_shardscale_skipped", None)
         if flag is None and isinstance(self.scaler, ShardedGradScaler):
             flag = self.scaler.last_step_skipped  # an optimizer whose own flag is unknowable
@@ -209,10 +209,16 @@ def use_shardscale(
     Args:
         accelerator: a fresh ``Accelerator`` (nothing prepared yet).
         scaler: a ready scaler; default: one on ``accelerator.device``, enabled
-            for ``mixed_precision="fp16"``, built from the ``GradScalerKwargs``
-            handler and ``scaler_options``.
+            for ``mixed_precision="fp16"`` or with ``loss_scaling=False``, built
+            from the ``GradScalerKwargs`` handler and ``scaler_options``.
         scaler_options: keyword arguments of ``ShardedGradScaler``
-            (``init_scale``, ``growth_interval``, ``backend``, ``enabled``, ...).
+            (``init_scale``, ``growth_interval``, ``backend``, ``enabled``, ...),
+            including the skip policies: ``spike=SpikeSkip(...)``,
+            ``check_loss=True``, ``max_consecutive_skips=N``, and
+            ``loss_scaling=False``, which with ``mixed_precision="bf16"`` or
+            ``"no"`` turns the scaler on as the skip guard alone (scale 1: a
+            step with a non-finite gradient, or a policy's reason, is skipped
+            on every rank and the prepared scheduler holds).
 
     Returns:
         The scaler, also at ``accelerator.scaler``. Read its scale without a
@@ -262,7 +268,9 @@ def use_shardscale(
         if accelerator.scaler_handler is not None:
             options.update(accelerator.scaler_handler.to_kwargs())
         options.update(scaler_options)
-        options.setdefault("enabled", accelerator.mixed_precision == "fp16")
+        # fp16 scales the loss; any precision gets the skip guard alone with loss_scaling=False.
+        guard = options.get("loss_scaling") is False
+        options.setdefault("enabled", accelerator.mixed_precision == "fp16" or guard)
         scaler = ShardedGradScaler(accelerator.device.type, **options)
     accelerator.scaler = scaler
     accelerator.__dict__["_shardscale_iteration"] = _Iteration(scaler, accelerator._optimizers)

@@ -80,6 +80,30 @@ def _handles_unscaling(optimizer: object) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
+def _check_guard_only(precision: str, scaler: object, options: dict[str, Any]) -> None:
+    """A precision that does not scale the loss takes a scaler only as the skip guard.
+
+    ``loss_scaling=False`` is the one option that turns the guard on (see
+    docs/lightning.md, "Skipping steps in bf16 and fp32"); with it come the
+    scaler's other policies (``spike=``, ``check_loss=``, ``max_consecutive_skips=``).
+    """
+    if scaler is not None:
+        if not isinstance(scaler, ShardedGradScaler) or scaler.loss_scaling:
+            raise ValueError(
+                f"precision={precision!r} does not scale the loss, so its scaler must be built "
+                "with loss_scaling=False (the skip guard without scaling), or pass the options "
+                f"instead: ShardscalePrecision({precision!r}, loss_scaling=False, ...)"
+            )
+        return
+    if options and options.get("loss_scaling", True) is not False:
+        raise ValueError(
+            f"precision={precision!r} does not scale the loss, so scaler options "
+            f"({sorted(options)}) need loss_scaling=False, the skip guard without scaling: "
+            f"ShardscalePrecision({precision!r}, loss_scaling=False, spike=SpikeSkip()); or use "
+            "precision='16-mixed' for loss scaling"
+        )
+
+
 class ShardscalePrecision(FSDPPrecision):
     """Mixed precision for Lightning with shardscale's scaler and global-norm clipping.
 
@@ -102,15 +126,22 @@ class ShardscalePrecision(FSDPPrecision):
             ``"16-true"`` or ``"bf16-true"``.
         device: device type for autocast and the scale (default: ``"cuda"`` when
             available, else ``"cpu"``).
-        scaler: a ready :class:`ShardedGradScaler` (only with ``"16-mixed"``);
-            default: one built from ``scaler_options``.
-        log_metrics: log ``<prefix>scale``, ``<prefix>skipped`` and
+        scaler: a ready :class:`ShardedGradScaler` (with another precision than
+            ``"16-mixed"``, one built with ``loss_scaling=False``); default: one
+            built from ``scaler_options``.
+        log_metrics: log ``<prefix>scale``, ``<prefix>skipped``,
+            ``<prefix>skip_reason`` (the ``SkipReason`` value) and
             ``<prefix>grad_norm`` on every optimizer step (on_step, logger only).
         log_prefix: prefix of the logged names.
         hold_schedulers: keep ``interval="step"`` schedulers from advancing on
             skipped steps.
         scaler_options: keyword arguments of ``ShardedGradScaler`` (``init_scale``,
-            ``growth_interval``, ``backend``, ...).
+            ``growth_interval``, ``backend``, ...), including the skip policies
+            ``spike=SpikeSkip(...)``, ``check_loss=True`` and
+            ``max_consecutive_skips=N``. With ``"bf16-mixed"`` and the
+            ``"-true"`` precisions, ``loss_scaling=False`` turns the scaler on
+            as the skip guard alone (scale 1): a step with a non-finite
+            gradient (or a policy's reason) is skipped on every rank.
     """
 
     def __init__(
@@ -137,21 +168,18 @@ class ShardscalePrecision(FSDPPrecision):
                 f"{type(scaler).__name__}; build one with the same arguments, or pass them as "
                 "keyword options (ShardscalePrecision('16-mixed', init_scale=...))."
             )
-        if precision != "16-mixed" and (scaler is not None or scaler_options):
-            raise ValueError(
-                f"precision={precision!r} does not scale the loss, so it takes no scaler or "
-                f"scaler options (got {'a scaler' if scaler is not None else sorted(scaler_options)}); "
-                "use precision='16-mixed' for loss scaling."
-            )
         if scaler is not None and scaler_options:
             raise ValueError(
                 f"pass either a scaler or scaler options, not both (got {sorted(scaler_options)})"
             )
+        if precision != "16-mixed":
+            _check_guard_only(precision, scaler, scaler_options)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.precision = precision
         self._desired_input_dtype = _INPUT_DTYPE[precision]
         self.scaler: ShardedGradScaler | None = None  # type: ignore[assignment]
-        if precision == "16-mixed":
+        if precision == "16-mixed" or scaler is not None or scaler_options:
+            # Without loss scaling (checked above) the scaler is the skip verdict alone.
             self.scaler = scaler or ShardedGradScaler(self.device, **scaler_options)
         self.log_metrics = log_metrics
         self.log_prefix = log_prefix
@@ -385,6 +413,9 @@ class ShardscalePrecision(FSDPPrecision):
             skipped = scaler.last_step_skipped  # the iteration's: any optimizer overflowed
             if skipped is not None:
                 values["skipped"] = skipped.to(torch.float32)
+            reason = scaler.last_skip_reason  # SkipReason's value, 0 on a step taken
+            if reason is not None:
+                values["skip_reason"] = reason.to(torch.float32)
         if self._grad_norm is not None:
             values["grad_norm"] = self._grad_norm
         # Without a logger the values still reach callback_metrics (checkpoint monitors).

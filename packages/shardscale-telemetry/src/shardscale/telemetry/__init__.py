@@ -15,8 +15,8 @@ or, with no code change (e.g. under ``torchrun``), with one environment variable
     SHARDSCALE_TELEMETRY=jsonl:runs/steps.jsonl,tensorboard:runs/tb,every=100
 
 Every ``ShardedGradScaler.update()`` in the process is then recorded as one
-row (step, scale, skipped, grad norm, growth and hysteresis trackers, and
-which ranks overflowed), on rank 0 unless ``ranks`` says otherwise.
+row (step, scale, skipped and why, grad norm, growth and hysteresis trackers,
+and which ranks overflowed), on rank 0 unless ``ranks`` says otherwise.
 """
 
 from __future__ import annotations

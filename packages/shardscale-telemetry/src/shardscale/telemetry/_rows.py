@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shardscale.core import SkipReason
+
 if TYPE_CHECKING:
     from shardscale.core import StepRecord
 
-__all__ = ["StepRow", "read_rows"]
+__all__ = ["StepRow", "read_rows", "reason_code", "reason_name"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +38,12 @@ class StepRow:
     (inf or nan on a skipped step), else ``None``. ``overflow_ranks`` are the
     ranks of the scaler's process group that held non-finite gradients, with
     ``overflow_counts[i]`` such gradients on ``overflow_ranks[i]`` (both empty
-    on a clean step). ``rank`` is the global rank that wrote the row and
-    ``time`` the wall-clock time (seconds since the epoch) its ``update()``
-    finished.
+    on a clean step). ``skip_reason`` is why a skipped step was skipped, the
+    lower-case name of its :class:`~shardscale.core.SkipReason` (``"overflow"``,
+    ``"spike"``, ...; see docs/skipped-steps.md), ``None`` on a step taken or
+    when the scaler reports no reason. ``rank`` is the global rank that wrote
+    the row and ``time`` the wall-clock time (seconds since the epoch) its
+    ``update()`` finished.
     """
 
     step: int
@@ -51,6 +56,7 @@ class StepRow:
     hysteresis_tracker: int | None
     overflow_ranks: tuple[int, ...] = ()
     overflow_counts: tuple[int, ...] = field(default=())
+    skip_reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A dict for strict JSON: a non-finite ``grad_norm`` becomes ``None`` (``null``)."""
@@ -66,11 +72,35 @@ class StepRow:
             "hysteresis_tracker": self.hysteresis_tracker,
             "overflow_ranks": list(self.overflow_ranks),
             "overflow_counts": list(self.overflow_counts),
+            "skip_reason": self.skip_reason,
         }
 
 
 # The 0-dim fields read for every record, in this order; optional ones may be None.
-_SCALARS = ("scale", "skipped", "growth_tracker", "hysteresis_tracker", "grad_norm")
+_SCALARS = ("scale", "skipped", "growth_tracker", "hysteresis_tracker", "grad_norm", "skip_reason")
+
+
+def reason_name(code: float | None) -> str | None:
+    """The lower-case :class:`~shardscale.core.SkipReason` name of ``code``; ``None`` for none.
+
+    A code this version of core does not know is kept as ``"reason <code>"``
+    rather than dropped (a row must never fail to be written).
+    """
+    if code is None or code == 0:
+        return None
+    try:
+        return SkipReason(int(code)).name.lower()
+    except ValueError:
+        return f"reason {int(code)}"
+
+
+def reason_code(name: str | None) -> int:
+    """The inverse of :func:`reason_name`: the enum value for TensorBoard and W&B (0: none)."""
+    if name is None:
+        return 0
+    if name.startswith("reason "):
+        return int(name.split()[1])
+    return int(SkipReason[name.upper()].value)
 
 
 def read_rows(records: Sequence[StepRecord], *, rank: int, times: Sequence[float]) -> list[StepRow]:
@@ -147,6 +177,8 @@ def read_rows(records: Sequence[StepRecord], *, rank: int, times: Sequence[float
                 hysteresis_tracker=None if hyst is None else int(hyst),
                 overflow_ranks=ranks,
                 overflow_counts=counts_out,
+                # Only a skipped step has a reason (a taken step's code is NONE, 0).
+                skip_reason=reason_name(value("skip_reason", i)) if skipped > 0 else None,
             )
         )
     return rows

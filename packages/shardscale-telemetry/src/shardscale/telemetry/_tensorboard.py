@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardscale.telemetry._errors import TelemetryConfigError
 from shardscale.telemetry._paths import check_path_template, rank_path
+from shardscale.telemetry._rows import reason_code
 
 if TYPE_CHECKING:
     from shardscale.telemetry._rows import StepRow
@@ -25,6 +26,7 @@ TENSORBOARD_TAGS = (
     "growth_tracker",
     "hysteresis_tracker",
     "overflow_ranks",
+    "skip_reason",
 )
 _EXTRA = "pip install 'shardscale-telemetry[tensorboard]'"
 
@@ -43,8 +45,10 @@ class TensorBoardObserver:
 
     Tags are ``<prefix>scale``, ``skipped`` (0/1), ``skipped_total``,
     ``grad_norm`` (when ``unscale_and_clip_`` ran), ``growth_tracker``,
-    ``hysteresis_tracker`` and ``overflow_ranks`` (how many ranks held
-    non-finite gradients), one value per step each. ``{rank}`` in ``log_dir``
+    ``hysteresis_tracker``, ``overflow_ranks`` (how many ranks held
+    non-finite gradients) and ``skip_reason`` (the
+    :class:`~shardscale.core.SkipReason` value, 0 on a step taken), one value
+    per step each. ``{rank}`` in ``log_dir``
     is replaced by the writing rank. Needs the ``tensorboard`` package
     (``pip install 'shardscale-telemetry[tensorboard]'``), not TensorFlow.
     """
@@ -103,6 +107,7 @@ class TensorBoardObserver:
                     None if row.hysteresis_tracker is None else float(row.hysteresis_tracker)
                 ),
                 "overflow_ranks": float(len(row.overflow_ranks)),
+                "skip_reason": float(reason_code(row.skip_reason)),
             }
             summary = Summary(
                 value=[

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from shardscale.telemetry._errors import TelemetryConfigError
+from shardscale.telemetry._rows import reason_code
 
 if TYPE_CHECKING:
     from shardscale.telemetry._rows import StepRow
@@ -103,6 +104,7 @@ class WandbObserver:
                 f"{p}skipped_total": self._skipped_total,
                 f"{p}growth_tracker": row.growth_tracker,
                 f"{p}overflow_ranks": len(row.overflow_ranks),
+                f"{p}skip_reason": reason_code(row.skip_reason),
             }
             if row.grad_norm is not None:
                 data[f"{p}grad_norm"] = row.grad_norm

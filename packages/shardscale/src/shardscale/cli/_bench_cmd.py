@@ -24,6 +24,8 @@ __all__ = [
     "BENCH_JSON",
     "BENCH_MD",
     "BENCH_PNG",
+    "POLICIES_JSON",
+    "POLICIES_MD",
     "add_bench_parser",
     "plot_bench_json",
     "run_bench",
@@ -32,6 +34,8 @@ __all__ = [
 BENCH_JSON = "bench.json"
 BENCH_MD = "bench.md"
 BENCH_PNG = "bench.png"
+POLICIES_JSON = "bench-policies.json"
+POLICIES_MD = "bench-policies.md"
 
 # argparse dest -> BenchConfig field, for the options that map one to one.
 _FIELDS = {
@@ -79,6 +83,8 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     a("--max-norm", type=float, help="clipping threshold (default 1.0)")
     a("--no-streaming", action="store_true", help="leave out the streaming-statistics arm")
     a("--scaling-only", action="store_true", help="only the scaling table")
+    a("--policies", action="store_true", help="instead: what each skip policy of the scaler "
+      "costs per step (none, loss_scaling=False, spike, loss check, streak, all; A/A line)")  # fmt: skip
     a("--backend", help="shardscale's collective backend (default counting+c10d)")
     a("--device", help="cpu (gloo) or cuda (NCCL); default cuda when available")
     a("--threads-per-rank", type=int, help="torch threads per rank (default: CPUs / ranks)")
@@ -198,7 +204,13 @@ def _load_runs(paths: list[Path]) -> list[dict[str, Any]]:
             raise BenchOptionError(f"--from-json {path}: {type(exc).__name__}: {exc}") from None
         if not isinstance(data, dict) or data.get("schema") != 1:
             raise BenchOptionError(f"--from-json {path}: not a shardscale bench JSON (schema 1)")
-        runs.append(analyse(data))
+        # A --policies run is printed as it was written (its analysis is inside it).
+        runs.append(data if data.get("kind") == "policies" else analyse(data))
+    kinds = {run.get("kind", "engine") for run in runs}
+    if len(kinds) > 1:
+        raise BenchOptionError(
+            "--from-json mixes --policies runs with the engine benchmark's; give one kind at a time"
+        )
     return runs
 
 
@@ -242,9 +254,32 @@ def plot_bench_json(result: dict[str, Any], path: Path) -> Path:
 def _print_runs(runs: list[dict[str, Any]], markdown: bool, out: TextIO) -> None:
     from shardscale.cli.bench import format_markdown, format_ranges, format_table
 
+    if runs[0].get("kind") == "policies":
+        from shardscale.cli.bench._policies import format_policies
+
+        print("\n\n".join(format_policies(run, markdown=markdown) for run in runs), file=out)
+        return
+
     print(format_markdown(runs[0]) if markdown else format_table(runs[0]), file=out)
     if len(runs) > 1:
         print("\n" + format_ranges(runs), file=out)
+
+
+def _run_policies(cfg: Any, args: argparse.Namespace, out: TextIO) -> int:
+    """``--policies``: the policy-cost table (``bench/_policies.py``), its JSON and Markdown."""
+    from shardscale.cli.bench._policies import format_policies, run_policies
+    from shardscale.cli.bench._report import write_json
+
+    result = run_policies(cfg)
+    out_dir: Path = args.out.resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = write_json(result, out_dir / POLICIES_JSON)
+    (out_dir / POLICIES_MD).write_text(format_policies(result, markdown=True) + "\n", "utf-8")
+    extra = write_json(result, args.json.resolve()) if args.json is not None else None
+    print(format_policies(result, markdown=args.markdown), file=out)
+    print(f"\njson: {json_path}" + (f" and {extra}" if extra else ""), file=out)
+    print(f"markdown: {out_dir / POLICIES_MD}", file=out, flush=True)
+    return 0
 
 
 def run_bench(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
@@ -256,6 +291,11 @@ def run_bench(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
         if args.from_json:
             _print_runs(_load_runs(list(args.from_json)), args.markdown, out)
             return 0
+        if args.policies and (args.scaling_only or args.scaling_points is not None):
+            raise BenchOptionError(
+                "--policies times the skip policies only; --scaling-only and --scaling-points "
+                "belong to the engine benchmark (leave them out, or run without --policies)"
+            )
         cfg = config_from_args(args)
         _check_outputs(args)
     except BenchOptionError as exc:
@@ -266,6 +306,8 @@ def run_bench(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
 
     print(f"shardscale bench: {cfg.world_size} processes on {cfg.device}"
           f"{' (quick)' if args.quick else ''}; this takes a few minutes", file=out, flush=True)  # fmt: skip
+    if args.policies:
+        return _run_policies(cfg, args, out)
     result = analyse(run_benchmark(cfg))
     out_dir: Path = args.out.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)

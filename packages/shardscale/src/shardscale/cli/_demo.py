@@ -103,6 +103,12 @@ def _forwarded(args: argparse.Namespace, cfg: TrainConfig, out: Path) -> list[st
         "--init-scale", repr(cfg.init_scale), "--seed", str(cfg.seed),
         "--sample-chars", str(cfg.sample_chars), "--progress-dir", str(out / LOGS_DIR),
     ]  # fmt: skip
+    if cfg.spike:
+        flags.append("--spike")
+    if cfg.inject_spike:
+        flags += ["--inject-spike", str(cfg.inject_spike)]
+    if cfg.max_consecutive_skips:
+        flags += ["--max-consecutive-skips", str(cfg.max_consecutive_skips)]
     if args.backend:
         flags += ["--backend", args.backend]
     if args.mesh:

@@ -25,6 +25,7 @@ __all__ = [
     "output_files",
     "finite_or_none",
     "scale_changes",
+    "skipped_text",
     "write_json",
     "render_report",
 ]
@@ -103,6 +104,15 @@ def scale_changes(scales: list[float]) -> tuple[int, int]:
     return sum(b < a for a, b in pairs), sum(b > a for a, b in pairs)
 
 
+def skipped_text(summary: Mapping[str, Any]) -> str:
+    """``"10: 8 overflow, 2 spike"``: how many steps were skipped, and for which reasons."""
+    total = int(summary["skipped_steps"])
+    reasons: Mapping[str, int] = summary.get("skip_reasons") or {}
+    if not total or not reasons:
+        return str(total)
+    return f"{total}: " + ", ".join(f"{n} {why}" for why, n in sorted(reasons.items()))
+
+
 def _window_mean(values: list[float], *, head: bool) -> float:
     # Mean of the first/last tenth (at most 10 steps); nan if any of them is nan.
     k = max(1, min(10, len(values) // 5 or 1))
@@ -132,7 +142,7 @@ def render_report(
         ("ranks / mesh", f"{run['world_size']} / {run['mesh_desc']}"),
         ("device / precision", f"{run['device']} / {run['precision']} autocast"),
         ("collective backend", run["backend"]),
-        ("steps (skipped: overflow)", f"{len(history)} ({summary['skipped_steps']})"),
+        ("steps (skipped: why)", f"{len(history)} ({skipped_text(summary)})"),
         (
             "loss: first -> last",
             f"{_fmt(_window_mean(losses, head=True), '.3f')} -> "
@@ -154,7 +164,9 @@ def render_report(
     ]
     print_table("shardscale demo: summary", rows, headers=("", ""), stream=stream)
     if summary.get("first_overflow"):
-        print("\nfirst skipped step, from scaler.overflow_report(model):", file=stream)
+        why = summary.get("first_skip_reason")
+        print(f"\nfirst skipped step{f' ({why})' if why else ''}, from "
+              "scaler.overflow_report(model):", file=stream)  # fmt: skip
         print(summary["first_overflow"].rstrip(), file=stream)
     if summary.get("sample"):
         print("\nsample from the trained model:\n" + summary["sample"].rstrip() + "\n", file=stream)

@@ -48,6 +48,7 @@ __all__ = [
     "train",
     "full_state",
     "params_digest",
+    "scaler_options",
 ]
 
 PRECISIONS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -125,6 +126,16 @@ OPTION_RULES: tuple[OptionRule, ...] = (
     OptionRule("init_scale", "--init-scale", _positive_finite, "a finite number > 0", "65536"),
     OptionRule("growth_interval", "--growth-interval", _positive_int, ">= 1 (clean steps)", "10"),
     OptionRule("sample_chars", "--sample-chars", _non_negative_int, ">= 0 (0: none)", "0"),
+    OptionRule(
+        "inject_spike", "--inject-spike", _non_negative_int, ">= 0 (a step number; 0: none)", "150"
+    ),
+    OptionRule(
+        "max_consecutive_skips",
+        "--max-consecutive-skips",
+        _non_negative_int,
+        ">= 0 (skipped steps in a row before every rank stops; 0: never)",
+        "10",
+    ),
     OptionRule("warmup", "", _non_negative_int, ">= 0", "10"),
     OptionRule("eval_batches", "", _positive_int, ">= 1", "4"),
 )
@@ -177,6 +188,12 @@ class TrainConfig:
     seed: int = 0
     eval_batches: int = 8
     sample_chars: int = 160
+    #: Skip steps whose gradient norm spikes (see [Note: the demo's skip policies]).
+    spike: bool = False
+    #: Multiply rank 0's loss by 1e3 at this step (1-based; 0: never), to show a spike skip.
+    inject_spike: int = 0
+    #: Stop every rank after this many skipped steps in a row (0: never).
+    max_consecutive_skips: int = 0
 
     def __post_init__(self) -> None:
         check_config_values(asdict(self), cli=False)
@@ -197,6 +214,33 @@ _SIZES: dict[str, dict[str, int]] = {
     "cuda": {"steps": 300, "batch_size": 16, "context": 128, "d_model": 256, "n_layers": 4,
              "n_heads": 4},
 }  # fmt: skip
+
+
+# [Note: the demo's skip policies]
+# fp16 scales the loss; bf16 does not need to, so it runs with loss_scaling=False: the scale
+# stays 1 and a non-finite gradient still skips the step on every rank. --spike adds
+# SpikeSkip with a window sized for a 200-step run (OLMo-core's 128 steps would never arm);
+# --inject-spike N multiplies rank 0's loss by 1e3 at step N, a finite gradient far above the
+# window, so the summary shows a spike skip on every rank. The first steps of a small model
+# move fast, so the window waits for WARMUP accepted steps before it arms.
+SPIKE_WINDOW, SPIKE_WARMUP, SPIKE_Z = 32, 24, 6.0
+INJECTED_SPIKE = 1e3
+
+
+def scaler_options(cfg: TrainConfig) -> dict[str, Any]:
+    """The ``ShardedGradScaler`` options of the demo's precision and skip policies."""
+    options: dict[str, Any]
+    if cfg.precision == "fp16":
+        options = {"init_scale": cfg.init_scale, "growth_interval": cfg.growth_interval}
+    else:
+        options = {"loss_scaling": False}
+    if cfg.spike:
+        from shardscale.core import SpikeSkip
+
+        options["spike"] = SpikeSkip(z=SPIKE_Z, window=SPIKE_WINDOW, warmup=SPIKE_WARMUP)
+    if cfg.max_consecutive_skips:
+        options["max_consecutive_skips"] = cfg.max_consecutive_skips
+    return options
 
 
 def size_defaults(device: str) -> dict[str, int]:
@@ -228,6 +272,8 @@ class StepMetrics:
     skipped_total: int
     lr: float
     elapsed_s: float
+    #: Why the step was skipped (a lower-case SkipReason name, from the telemetry row), else None.
+    skip_reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A dict safe for strict JSON: non-finite numbers become ``None``."""
@@ -261,6 +307,10 @@ class TrainResult:
     history: list[StepMetrics] = field(default_factory=list)
     #: ``scaler.overflow_report(model)`` of the first skipped step ("" if none was skipped).
     first_overflow: str = ""
+    #: Skipped steps per reason (lower-case SkipReason names), e.g. ``{"overflow": 8}``.
+    skip_reasons: dict[str, int] = field(default_factory=dict)
+    #: Why the first skipped step was skipped (the step ``first_overflow`` describes).
+    first_skip_reason: str | None = None
 
 
 class _RowFeed:
@@ -407,11 +457,10 @@ def train(
     )
     scaler = ShardedGradScaler(
         ctx.device.type,
-        init_scale=cfg.init_scale,
-        growth_interval=cfg.growth_interval,
         backend=cfg.backend,
         # Pipeline stages hold different parameters: the norm sums them, never dedups.
         distinct_dims=("pp",) if pipe is not None else (),
+        **scaler_options(cfg),
     )
     unscale_and_clip_ = _unscale_and_clip()
     dtype = PRECISIONS[cfg.precision]
@@ -428,6 +477,8 @@ def train(
     history: list[StepMetrics] = []
     skipped_total = 0
     first_overflow = ""
+    first_reason: str | None = None
+    reasons: dict[str, int] = {}
     try:
         for step in range(cfg.steps):
             lr = _lr_at(cfg, step)
@@ -437,6 +488,8 @@ def train(
             x, y = x.to(ctx.device), y.to(ctx.device)
             if pipe is None:
                 loss = _loss(model, x, y, dtype)
+                if step + 1 == cfg.inject_spike and ctx.rank == 0:
+                    loss = loss * INJECTED_SPIKE  # see [Note: the demo's skip policies]
                 scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
             else:
                 loss = pipe.step(x, y, scaler, dtype)
@@ -449,6 +502,10 @@ def train(
                 # Every rank knows the step was skipped (one decision), so every rank joins
                 # the report's gather; it must run before zero_grad frees the gradients.
                 first_overflow = str(scaler.overflow_report(model))
+                first_reason = row.skip_reason
+            if skipped:
+                reason = row.skip_reason or "unknown"
+                reasons[reason] = reasons.get(reason, 0) + 1
             optimizer.zero_grad(set_to_none=True)
             skipped_total += int(skipped)
             metrics = StepMetrics(
@@ -460,6 +517,7 @@ def train(
                 skipped_total=skipped_total,
                 lr=lr,
                 elapsed_s=time.perf_counter() - started,
+                skip_reason=row.skip_reason,
             )
             history.append(metrics)
             scale = row.scale  # after this update: the next step's scale
@@ -514,4 +572,6 @@ def train(
         wall_s=time.perf_counter() - started,
         history=history,
         first_overflow=first_overflow,
+        skip_reasons=reasons,
+        first_skip_reason=first_reason,
     )

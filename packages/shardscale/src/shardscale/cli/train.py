@@ -148,6 +148,27 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         help=f"initial loss scale (default {d.init_scale:g}: high on purpose, the first "
         "fp16 steps overflow and back it off)",
     )
+    p.add_argument(
+        "--spike",
+        action="store_true",
+        help="skip steps whose gradient norm spikes (SpikeSkip, 6 sigma over the last 32 "
+        "accepted steps); with --precision bf16 the scaler runs without loss scaling",
+    )
+    p.add_argument(
+        "--inject-spike",
+        type=int,
+        default=d.inject_spike,
+        metavar="STEP",
+        help="multiply rank 0's loss by 1e3 at STEP (1-based) to show a spike skip (default 0: "
+        "never; not with pipeline stages)",
+    )
+    p.add_argument(
+        "--max-consecutive-skips",
+        type=int,
+        default=d.max_consecutive_skips,
+        metavar="N",
+        help="stop every rank after N skipped steps in a row (default 0: never)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
         "--sample-chars",
@@ -183,6 +204,9 @@ def config_from_args(args: argparse.Namespace, *, device: str = "cpu") -> TrainC
         growth_interval=args.growth_interval,
         seed=args.seed,
         sample_chars=args.sample_chars,
+        spike=bool(getattr(args, "spike", False)),
+        inject_spike=args.inject_spike,
+        max_consecutive_skips=args.max_consecutive_skips,
         warmup=min(20, max(3, values["steps"] // 5)),
     )
     check_config_values(values, cli=True)  # option names in the message, before the dataclass
@@ -200,7 +224,26 @@ def check_args(args: argparse.Namespace, *, device: str, world_size: int) -> Tra
     from shardscale.cli._options import check_backend, check_context, check_mesh, check_out
 
     cfg = config_from_args(args, device=device)
-    check_mesh(args.mesh, world_size, cfg)
+    shape = check_mesh(args.mesh, world_size, cfg)
+    if cfg.inject_spike and shape.pp > 1:
+        raise ValueError(
+            f"--inject-spike {cfg.inject_spike} scales the loss before backward, which pipeline "
+            f"stages (--mesh {args.mesh}) compute inside their schedule; leave --inject-spike out "
+            "or use a mesh without pp"
+        )
+    default = TrainConfig()
+    for option, name in (("--init-scale", "init_scale"), ("--growth-interval", "growth_interval")):
+        if cfg.precision != "fp16" and getattr(cfg, name) != getattr(default, name):
+            raise ValueError(
+                f"{option} sets fp16 loss scaling, but --precision {cfg.precision} runs without "
+                f"it (loss_scaling=False: the scale stays 1); leave {option} out or use "
+                "--precision fp16"
+            )
+    if cfg.inject_spike > cfg.steps:
+        raise ValueError(
+            f"--inject-spike {cfg.inject_spike} is past the last step ({cfg.steps}); try e.g. "
+            f"--inject-spike {max(1, cfg.steps * 3 // 4)}"
+        )
     check_context(cfg)
     check_backend(args.backend, world_size=world_size)
     check_out(args.out)
@@ -352,6 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "final_loss": result.final_loss,
                     "held_out_loss": result.held_out_loss,
                     "skipped_steps": result.skipped_steps,
+                    "skip_reasons": result.skip_reasons,
                     "scale_backoffs": scale_changes(
                         [m.scale for m in result.history] + [result.final_scale]
                     )[0],
@@ -360,6 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "params_sha256": result.params_sha256,
                     "sample": result.sample,
                     "first_overflow": result.first_overflow,
+                    "first_skip_reason": result.first_skip_reason,
                 },
                 "history": [m.to_json() for m in result.history],
             }
