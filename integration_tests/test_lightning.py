@@ -687,3 +687,142 @@ def test_bf16_spike_and_nonfinite_skips_hold_the_scheduler_and_ema_ddp(pool2: Po
 
 def test_bf16_spike_and_nonfinite_skips_hold_the_scheduler_fsdp2_fused(pool2: Pool) -> None:
     _check_policy(pool2.run(_policy_case, "model_parallel", True))
+
+
+# -- every skip reason holds the scheduler, and nothing is read on the host per step -----------
+#
+# Each run injects, at known optimizer steps and on one rank, what makes each reason: an inf
+# loss under fp16 (OVERFLOW), a nan loss times the gradients under bf16 (NONFINITE), a finite
+# loss times 1e4 (SPIKE: a norm far above SPIKE_ABS, see the policy tests above for the clean
+# norms), a nan constant added to the loss (LOSS: the loss is nan, its gradients are finite).
+# The learning rate every optimizer step used is compared with a torch scheduler of the same
+# kind, stepped only for the steps the test expects to be taken; the optimizer step (closure
+# included) and each scheduler step run inside HostReadRecorder.
+
+_REASON_INJECT = {
+    "16-mixed": {2: (0, "OVERFLOW"), 5: (1, "LOSS")},
+    "bf16-mixed": {1: (1, "SPIKE"), 3: (0, "LOSS"), 5: (1, "NONFINITE")},
+}
+
+
+def _lr_lambda(step: int) -> float:
+    return 1.0 / (1.0 + step)
+
+
+class _ReasonNet(_Net):
+    """Injects each reason; records host reads in its optimizer and scheduler steps."""
+
+    def __init__(self, inject: dict[int, tuple[int, str]]) -> None:
+        super().__init__(fused=True, layout="ddp", override_clip=False)
+        self.inject = inject
+        self.step_reads: list[list[str]] = []
+        self.sched_reads: list[list[str]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        loss = (self.net(x).float() - 1.0).pow(2).mean()
+        rank, what = self.inject.get(self.global_step, (-1, ""))
+        if rank == dist.get_rank():
+            if what == "OVERFLOW":
+                loss = loss * math.inf
+            elif what == "NONFINITE":
+                loss = loss * math.nan
+            elif what == "SPIKE":
+                loss = loss * 1e4
+            elif what == "LOSS":
+                loss = loss + torch.tensor(math.nan)  # a constant: no gradient of its own
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        from shardscale.core.testing import HostReadRecorder
+
+        with HostReadRecorder() as reads:
+            super().optimizer_step(*args, **kwargs)
+        self.step_reads.append(reads.seen)
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        from shardscale.core.testing import HostReadRecorder
+
+        with HostReadRecorder() as reads:
+            scheduler.step()
+        self.sched_reads.append(reads.seen)
+
+
+class _LrSeen(pl.Callback):
+    """The lr of each optimizer step, read in a step pre-hook (fused AdamW: every step runs)."""
+
+    def __init__(self, plugin: Any) -> None:
+        self.plugin = plugin
+        self.lrs: list[float] = []
+        self.reasons: list[int] = []
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # Registered after the plugin's hold: a decision still pending would be taken first.
+        trainer.optimizers[0].register_step_pre_hook(
+            lambda opt, *_: self.lrs.append(float(opt.param_groups[0]["lr"]))
+        )
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        self.reasons.append(int(self.plugin.scaler.last_skip_reason))  # a host read, the test's
+
+
+def _reasons_case(precision: str) -> dict[str, Any]:
+    from shardscale.core import SpikeSkip
+    from shardscale.lightning import ShardscalePrecision
+
+    _launch_env()
+    options: dict[str, Any] = {"check_loss": True}
+    if precision == "16-mixed":
+        options["init_scale"] = INIT_SCALE
+    else:
+        options.update(loss_scaling=False, spike=SpikeSkip(max_norm_abs=SPIKE_ABS, z=None))
+    plugin = ShardscalePrecision(precision, device="cpu", **options)  # type: ignore[arg-type]
+    seen = _LrSeen(plugin)
+    model = _ReasonNet(_REASON_INJECT[precision])
+    trainer = _trainer(plugin, "ddp", STEPS, seen, gradient_clip_val=CLIP)  # type: ignore[arg-type]
+    trainer.fit(model, _loader(dist.get_rank(), STEPS))
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    return {
+        "lrs": seen.lrs,
+        "reasons": seen.reasons,
+        "last_epoch": sched.last_epoch,
+        "last_lr": sched.get_last_lr(),
+        "step_reads": model.step_reads,
+        "sched_reads": model.sched_reads,
+    }
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_every_skip_reason_holds_the_scheduler_without_a_host_read(
+    pool2: Pool, precision: str
+) -> None:
+    from shardscale.core import SkipReason
+
+    inject = _REASON_INJECT[precision]
+    expected = [SkipReason[inject[i][1]] if i in inject else SkipReason.NONE for i in range(STEPS)]
+    # The reference: the same torch scheduler, advanced once per step the test expects taken.
+    ref_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-2)
+    ref = torch.optim.lr_scheduler.LambdaLR(ref_opt, _lr_lambda)
+    ref_lrs = [ref.get_last_lr()[0]]
+    for _ in range(STEPS):
+        ref_opt.step()
+        ref.step()
+        ref_lrs.append(ref.get_last_lr()[0])
+    taken_before = [sum(r is SkipReason.NONE for r in expected[:i]) for i in range(STEPS + 1)]
+    for rank, res in enumerate(pool2.run(_reasons_case, precision)):
+        # Every rank skipped exactly the injected steps, each for the injected reason.
+        assert res["reasons"] == [int(r) for r in expected], (rank, res["reasons"])
+        # Each step used the reference's lr after as many advances as steps taken before it:
+        # the same float64 host arithmetic in torch, so equal exactly.
+        assert res["lrs"] == [ref_lrs[k] for k in taken_before[:STEPS]], (rank, res["lrs"])
+        assert res["last_epoch"] == taken_before[STEPS]
+        assert res["last_lr"] == [ref_lrs[taken_before[STEPS]]]
+        # No host read in any scheduler step, nor in any optimizer step after the first (the
+        # backend chain is checked once, by design).
+        assert res["sched_reads"] == [[]] * STEPS, (rank, res["sched_reads"])
+        assert res["step_reads"][1:] == [[]] * (STEPS - 1), (rank, res["step_reads"])

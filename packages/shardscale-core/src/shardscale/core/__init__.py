@@ -45,7 +45,7 @@ from shardscale.core._errors import (
 )
 from shardscale.core._foreach_kernels import ForeachKernels
 from shardscale.core._gradients import GradBuckets, collect_grads, optimizer_params
-from shardscale.core._held_scheduler import SkipAwareScheduler
+from shardscale.core._held_scheduler import DeferredStep, SkipAwareScheduler
 from shardscale.core._hookspecs import ENTRY_POINT_GROUP, HOOK_KINDS, PROJECT, hookimpl
 from shardscale.core._iteration import Iteration, step_and_flag
 from shardscale.core._lazy import lazy_exports
@@ -117,6 +117,7 @@ __all__ = [
     # consumers of the skip signal: schedules and averaged weights that hold on skipped steps
     "SkipSource",
     "SkipAwareScheduler",
+    "DeferredStep",
     "DeviceLRSchedule",
     "LRSchedule",
     "ConstantSchedule",

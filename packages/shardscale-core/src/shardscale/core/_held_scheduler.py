@@ -27,6 +27,7 @@ shows is ``optimizer.param_groups[i]["lr"]`` read directly between
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from shardscale.core._skip_signal import SkipFlagReader, SkipSource
 
-__all__ = ["SkipAwareScheduler"]
+__all__ = ["DeferredStep", "SkipAwareScheduler"]
 
 
 class _HostFlag:
@@ -60,6 +61,71 @@ class _HostFlag:
         if self._event is not None:
             self._event.synchronize()
         return bool(self._host.tolist())  # a host tensor: tolist() is no dispatcher read
+
+
+class DeferredStep:
+    """Runs a call unless the step it follows was skipped, deciding once the flag reaches the host.
+
+    The deferral of :class:`SkipAwareScheduler`, for front ends that hold a
+    scheduler in place (Lightning's precision plugin): :meth:`submit` takes the
+    step's skip flag (a 0-dim device tensor) and the call's arguments, starts
+    the flag's asynchronous copy to the host and returns; the call
+    ``run(*args, **kwargs)`` happens, if the step was taken, at the first of
+    the optimizer's next ``step()`` (a step pre-hook), the next
+    :meth:`submit`, or :meth:`settle`. It happens at once when the copy has
+    already landed (always off a GPU). See [Note: deciding on the host without
+    waiting for the step]. Nothing here is a dispatcher read: the host reads
+    its own pinned copy.
+
+    Args:
+        optimizer: the optimizer whose next step settles a pending decision.
+        run: what to call on a taken step (the scheduler's own ``step``). Keep it
+            free of strong references to whatever owns this object: the
+            optimizer's hook holds this object only weakly.
+    """
+
+    __slots__ = ("__weakref__", "_hook", "_pending", "_run")
+
+    def __init__(self, optimizer: torch.optim.Optimizer, run: Callable[..., Any]) -> None:
+        self._run = run
+        self._pending: tuple[_HostFlag, tuple[Any, ...], dict[str, Any]] | None = None
+        ref = weakref.ref(self)
+
+        def before_optimizer_step(*_: Any) -> None:
+            me = ref()
+            if me is not None:
+                me.settle()
+
+        self._hook = optimizer.register_step_pre_hook(before_optimizer_step)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a decision is still waiting for its flag."""
+        return self._pending is not None
+
+    def submit(self, flag: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Call ``run(*args, **kwargs)`` once ``flag`` (0-dim bool) is known to be false."""
+        self.settle()
+        self._pending = (_HostFlag(flag), args, kwargs)
+        if self._pending[0].ready():
+            self.settle()
+
+    def settle(self) -> None:
+        """Take a pending decision now, waiting for its flag if it has not landed yet."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            flag, args, kwargs = pending
+            if not flag.value():
+                self._run(*args, **kwargs)
+
+    def drop(self) -> None:
+        """Forget a pending decision (a loaded state replaces it)."""
+        self._pending = None
+
+    def remove(self) -> None:
+        """Settle, then detach from the optimizer."""
+        self.settle()
+        self._hook.remove()
 
 
 class SkipAwareScheduler:
@@ -96,15 +162,7 @@ class SkipAwareScheduler:
             raise TypeError("this scheduler is already wrapped")
         self.scheduler = scheduler
         self._reader = SkipFlagReader(scaler, who="SkipAwareScheduler.step")
-        self._pending: tuple[_HostFlag, tuple[Any, ...], dict[str, Any]] | None = None
-        ref = weakref.ref(self)
-
-        def before_optimizer_step(*_: Any) -> None:
-            me = ref()
-            if me is not None:
-                me.settle()
-
-        self._hook = scheduler.optimizer.register_step_pre_hook(before_optimizer_step)
+        self._deferred = DeferredStep(scheduler.optimizer, scheduler.step)
 
     def step(self, *args: Any, skipped: torch.Tensor | None = None, **kwargs: Any) -> None:
         """Advance the wrapped scheduler unless the step just finished was skipped.
@@ -117,17 +175,11 @@ class SkipAwareScheduler:
         if flag is None:
             self.scheduler.step(*args, **kwargs)
             return
-        self._pending = (_HostFlag(flag), args, kwargs)
-        if self._pending[0].ready():
-            self.settle()
+        self._deferred.submit(flag, args, kwargs)
 
     def settle(self) -> None:
         """Take a deferred decision now, waiting for its flag if it has not landed yet."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            flag, args, kwargs = pending
-            if not flag.value():
-                self.scheduler.step(*args, **kwargs)
+        self._deferred.settle()
 
     def get_last_lr(self) -> list[Any]:
         """The wrapped scheduler's last learning rates, after any deferred step."""
@@ -141,16 +193,15 @@ class SkipAwareScheduler:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the wrapped scheduler's state; a deferred step is dropped (the state replaces it)."""
-        self._pending = None
+        self._deferred.drop()
         self.scheduler.load_state_dict(state_dict)
 
     def remove(self) -> None:
         """Detach from the optimizer (settling first); the wrapped scheduler is left as it is."""
-        self.settle()
-        self._hook.remove()
+        self._deferred.remove()
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("scheduler", "_pending", "_reader", "_hook"):
+        if name.startswith("__") or name in ("scheduler", "_deferred", "_reader"):
             raise AttributeError(name)
         self.settle()
         return getattr(self.scheduler, name)

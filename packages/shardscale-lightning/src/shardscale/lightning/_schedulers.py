@@ -4,48 +4,99 @@
 Lightning steps ``interval="step"`` schedulers after every optimizer step,
 skipped or not, through the module's ``lr_scheduler_step`` hook, which a
 precision plugin cannot see. The plugin therefore gives each such scheduler a
-subclass of its own class (created once per class) whose ``step`` first asks
-whether the scheduler's optimizer skipped its last step. The scheduler's
-``__dict__`` -- hence its ``state_dict`` -- is untouched and ``isinstance``
-still holds. The question is one host read of a 0-dim flag per scheduler
-step: free after an unfused optimizer step (which read the flag already), one
-small sync after a fused one.
+subclass of its own class (created once per class) whose ``step`` hands the
+decision to core's :class:`~shardscale.core.DeferredStep`, the deferral of
+``SkipAwareScheduler``: the skip flag of the scheduler's optimizer (for every
+reason: overflow, non-finite gradient, loss, spike) is copied to the host
+asynchronously, and the scheduler's own ``step`` runs, if the step was taken,
+at the optimizer's next step at the latest -- never a read of a device value
+inside ``step`` (none at all off a GPU, where the copy lands at once). The
+scheduler's ``__dict__`` -- hence its ``state_dict`` -- is untouched and
+``isinstance`` still holds; ``get_last_lr()`` and ``state_dict()`` settle a
+pending decision first, ``load_state_dict()`` drops it.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from shardscale.core import DeferredStep
 
 __all__ = ["hold_on_skipped_steps", "is_held"]
 
 SkipFlag = Callable[[torch.optim.Optimizer], "torch.Tensor | None"]
 
-_FLAGS: weakref.WeakKeyDictionary[Any, SkipFlag] = weakref.WeakKeyDictionary()
+
+@dataclass(slots=True)
+class _Hold:
+    flag_of: SkipFlag
+    deferred: DeferredStep
+
+
+_HOLDS: weakref.WeakKeyDictionary[Any, _Hold] = weakref.WeakKeyDictionary()
 _SUBCLASSES: dict[type, type] = {}
 
 
 class _HoldOnSkip:
-    """Mixin placed before the scheduler's own class: ``step`` is a no-op after a skipped step."""
+    """Mixin placed before the scheduler's own class: ``step`` waits for the skip verdict."""
 
     optimizer: torch.optim.Optimizer
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
-        flag_of = _FLAGS.get(self)
-        if flag_of is not None:
-            flag = flag_of(self.optimizer)
-            if flag is not None and bool(flag):
-                return None
-        return super().step(*args, **kwargs)  # type: ignore[misc]
+        hold = _HOLDS.get(self)
+        if hold is None:
+            return super().step(*args, **kwargs)  # type: ignore[misc]
+        hold.deferred.settle()  # the previous step's decision first, in order
+        flag = hold.flag_of(self.optimizer)
+        if flag is None:
+            return super().step(*args, **kwargs)  # type: ignore[misc]
+        hold.deferred.submit(flag.detach().reshape(()).bool(), args, kwargs)
+        return None
+
+    def get_last_lr(self) -> Any:
+        _settle(self)
+        return super().get_last_lr()  # type: ignore[misc]
+
+    def state_dict(self) -> Any:
+        _settle(self)
+        return super().state_dict()  # type: ignore[misc]
+
+    def load_state_dict(self, state_dict: Any) -> Any:
+        hold = _HOLDS.get(self)
+        if hold is not None:
+            hold.deferred.drop()  # the loaded state replaces what was pending
+        return super().load_state_dict(state_dict)  # type: ignore[misc]
+
+
+def _settle(scheduler: object) -> None:
+    hold = _HOLDS.get(scheduler)
+    if hold is not None:
+        hold.deferred.settle()
+
+
+def _own_step(scheduler: Any) -> Callable[..., Any]:
+    """The scheduler's own ``step``, through a weak reference (the hold must not keep it alive)."""
+    ref = weakref.ref(scheduler)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        me = ref()
+        return None if me is None else super(_HoldOnSkip, me).step(*args, **kwargs)  # type: ignore[misc]
+
+    return run
 
 
 def hold_on_skipped_steps(scheduler: Any, flag_of: SkipFlag) -> None:
-    """Make ``scheduler.step()`` do nothing while ``flag_of(scheduler.optimizer)`` is true.
+    """Make ``scheduler.step()`` advance only when ``flag_of(scheduler.optimizer)`` is false.
 
-    Idempotent: a scheduler already held gets the new ``flag_of``.
+    ``flag_of`` returns the optimizer's last skip flag (a 0-dim device tensor)
+    or ``None`` ("taken"). The flag is never read inside ``step()``: see
+    [Note: holding a scheduler]. Idempotent: a scheduler already held gets the
+    new ``flag_of`` (a pending decision is taken first).
     """
     if not hasattr(scheduler, "optimizer") or not callable(getattr(scheduler, "step", None)):
         raise TypeError(
@@ -60,9 +111,14 @@ def hold_on_skipped_steps(scheduler: Any, flag_of: SkipFlag) -> None:
             held.__qualname__ = cls.__qualname__
             _SUBCLASSES[cls] = held
         scheduler.__class__ = held
-    _FLAGS[scheduler] = flag_of
+    hold = _HOLDS.get(scheduler)
+    if hold is None:
+        _HOLDS[scheduler] = _Hold(flag_of, DeferredStep(scheduler.optimizer, _own_step(scheduler)))
+    else:
+        hold.deferred.settle()
+        hold.flag_of = flag_of
 
 
 def is_held(scheduler: object) -> bool:
     """Whether :func:`hold_on_skipped_steps` was applied to ``scheduler``."""
-    return isinstance(scheduler, _HoldOnSkip) and scheduler in _FLAGS
+    return isinstance(scheduler, _HoldOnSkip) and scheduler in _HOLDS
