@@ -11,7 +11,8 @@
 * What would be silently wrong is refused on every rank: the ``local``
   backend in a multi-rank run, different backend chains, an unknown
   ``distinct_dims`` name, FSDP1 parameters without the FSDP1 adapter.
-* After a skipped step, ``overflow_report`` names the rank and the parameter.
+* After a skipped step, ``overflow_report`` names the rank, the parameter and
+  the reason (a spike-skipped step: the reason, and no non-finite gradient).
 """
 
 from __future__ import annotations
@@ -292,14 +293,72 @@ def _localisation_case(api: str) -> dict[str, Any]:
     return {
         "ranks": [r.ranks for r in reports],
         "params": [r.params for r in reports],
-        "text": str(reports[1]),
+        "reasons": [r.reason for r in reports],
+        "texts": [str(r) for r in reports],
     }
 
 
 @pytest.mark.parametrize("api", ["fused", "step"])
 def test_overflow_report_names_the_rank_and_the_parameter(pool2: Pool, api: str) -> None:
+    from shardscale.core import SkipReason
+
     for res in pool2.run(_localisation_case, api, timeout=90):
         assert isinstance(res, dict)
         assert res["ranks"] == [(), (1,)], res
         assert res["params"][1] == {1: ("2.weight",)}, res
-        assert "rank(s) [1]" in res["text"] and "2.weight" in res["text"]
+        # The inf injected under loss scaling makes the second step an overflow; the first ran.
+        assert res["reasons"] == [SkipReason.NONE, SkipReason.OVERFLOW], res
+        taken, skipped = res["texts"]
+        assert taken == "step 1 taken: no non-finite gradients", taken
+        assert skipped.startswith("step 2 skipped (overflow): non-finite gradients on rank(s) [1]")
+        assert "2.weight" in skipped
+
+
+SPIKE_FACTOR = 1e6  # rank 0's gradients at the spike step, times this: finite, far above
+
+
+def _spike_report_case() -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from shardscale.core import ShardedGradScaler, SpikeSkip
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    threshold = 1e3  # checked below against torch's norm of every step's gradients
+    scaler = ShardedGradScaler(
+        "cpu", backend="c10d", loss_scaling=False, spike=SpikeSkip(max_norm_abs=threshold, z=None)
+    )
+    norms, reports = [], []
+    for step in range(2):
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(model(torch.ones(3, 4)).pow(2).sum()).backward()
+        if step == 1 and rank == 0:
+            for p in model.parameters():
+                p.grad.mul_(SPIKE_FACTOR)  # type: ignore[union-attr]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
+        scaler.step(opt)  # the step's own norm, computed in its one all-reduce
+        scaler.update()
+        reports.append(scaler.overflow_report(model))
+    return {"norms": norms, "threshold": threshold, "reports": reports}
+
+
+def test_overflow_report_says_a_spike_skipped_the_step(pool2: Pool) -> None:
+    from shardscale.core import SkipReason
+
+    for res in pool2.run(_spike_report_case, timeout=90):
+        assert isinstance(res, dict)
+        # The test's own decision: torch's global norm is finite and above the threshold at the
+        # injected step only.
+        clean, spiked = res["norms"]
+        assert clean < res["threshold"] < spiked < math.inf, res
+        first, second = res["reports"]
+        assert (first.reason, second.reason) == (SkipReason.NONE, SkipReason.SPIKE)
+        assert second.skipped and not second.overflowed and second.ranks == ()
+        assert str(second) == "step 2 skipped (spike): no non-finite gradients"

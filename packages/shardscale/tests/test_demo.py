@@ -73,8 +73,8 @@ def test_demo_loss_falls_and_plot_exists(run_cli, tmp_path: Path) -> None:
     assert "backoffs" in proc.stdout and "demo wall time:" in proc.stdout
     # Overflow localisation on the first real skip: the ranks and the parameters by name.
     report = metrics["summary"]["first_overflow"]
-    assert "non-finite gradients on rank(s)" in report and ".weight" in report, report
-    assert "first skipped step (overflow)" in proc.stdout
+    assert "skipped (overflow): non-finite gradients on rank(s)" in report, report
+    assert ".weight" in report and report in proc.stdout, report
     # Every skipped step says why: fp16 overflow, counted by reason in the summary.
     assert [h["skip_reason"] for h in history] == [
         "overflow" if h["skipped"] else None for h in history
@@ -104,7 +104,11 @@ def test_bf16_without_loss_scaling_skips_an_injected_spike_on_every_rank(
     assert [h["step"] for h in history if h["skipped"]] == [SPIKE_AT]
     assert history[SPIKE_AT - 1]["skip_reason"] == "spike"
     assert metrics["summary"]["skip_reasons"] == {"spike": 1}
-    assert "(1: 1 spike)" in proc.stdout and "first skipped step (spike)" in proc.stdout
+    assert "(1: 1 spike)" in proc.stdout
+    # The report of the first skipped step names the reason; a spike's gradients were finite.
+    report = metrics["summary"]["first_overflow"]
+    assert report == f"step {SPIKE_AT} skipped (spike): no non-finite gradients", report
+    assert report in proc.stdout
     r0, r1 = _read(out / "result-rank0.json"), _read(out / "result-rank1.json")
     assert r0["params_sha256"] == r1["params_sha256"] and r0["skipped_steps"] == 1
 

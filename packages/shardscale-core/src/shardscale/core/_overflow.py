@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shardscale.core._verdict import SkipReason
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
@@ -32,27 +34,42 @@ _Iteration = list[tuple["weakref.ref[torch.optim.Optimizer]", "StepResult"]]
 
 @dataclass(frozen=True, slots=True)
 class OverflowReport:
-    """What held non-finite gradients in the scaler's last iteration.
+    """What held non-finite gradients in the scaler's last iteration, and why it was skipped.
 
     ``ranks`` are the ranks (of the scaler's process group) with at least one
     non-finite local gradient; ``params`` maps each such rank to the names of
     its parameters whose gradient was non-finite (``"?"`` entries mean the
-    gradient was already freed, so only the rank is known).
+    gradient was already freed, so only the rank is known). ``reason`` is the
+    iteration's verdict (``scaler.last_skip_reason`` read on the host;
+    ``SkipReason.NONE`` for a step taken), ``None`` before the first
+    ``update()``. A step skipped for a spike or its loss has no non-finite
+    gradient: the reason is what tells.
     """
 
     step: int
     ranks: tuple[int, ...]
     params: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    reason: SkipReason | None = None
 
     @property
     def overflowed(self) -> bool:
         """Whether any rank held a non-finite gradient."""
         return bool(self.ranks)
 
+    @property
+    def skipped(self) -> bool:
+        """Whether the step was skipped, for any reason (``False`` when unknown)."""
+        return self.reason is not None and self.reason is not SkipReason.NONE
+
     def __str__(self) -> str:
+        head = f"step {self.step}"
+        if self.reason is SkipReason.NONE:
+            head += " taken"
+        elif self.reason is not None:
+            head += f" skipped ({self.reason.name.lower()})"
         if not self.ranks:
-            return f"step {self.step}: no non-finite gradients"
-        lines = [f"step {self.step}: non-finite gradients on rank(s) {list(self.ranks)}"]
+            return f"{head}: no non-finite gradients"
+        lines = [f"{head}: non-finite gradients on rank(s) {list(self.ranks)}"]
         for rank in self.ranks:
             names = self.params.get(rank, ())
             shown = ", ".join(names[:8]) + (
@@ -105,8 +122,13 @@ def build_overflow_report(
     module: torch.nn.Module | None,
     step: int,
     group: ProcessGroup | None,
+    reason: torch.Tensor | None = None,
 ) -> OverflowReport:
-    """Assemble the report of one iteration (a collective when distributed: see the note)."""
+    """Assemble the report of one iteration (a collective when distributed: see the note).
+
+    ``reason`` is the iteration's ``last_skip_reason`` (identical on every rank:
+    it comes from the step's one reduction), read here on the host.
+    """
     ranks: set[int] = set()
     for _, result in iteration:
         ranks.update(result.nonfinite_ranks())
@@ -120,4 +142,5 @@ def build_overflow_report(
     params = {r: tuple(names) for r, names in enumerate(gathered) if names}
     # A rank the vector names but whose tensors were freed still appears, without names.
     all_ranks = tuple(sorted(ranks | set(params)))
-    return OverflowReport(step=step, ranks=all_ranks, params=params)
+    why = None if reason is None else SkipReason(int(reason))
+    return OverflowReport(step=step, ranks=all_ranks, params=params, reason=why)

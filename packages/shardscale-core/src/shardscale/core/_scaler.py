@@ -1173,13 +1173,16 @@ class ShardedGradScaler:
         gathers each rank's findings in one extra collective, so call it only
         when you want to know (e.g. when ``last_step_skipped`` is true). Clean
         steps pay nothing for this. ``module`` gives parameters their fully
-        qualified names; without it they are named by optimizer position.
+        qualified names; without it they are named by optimizer position. The
+        report's ``reason`` is :attr:`last_skip_reason`, so a step skipped for a
+        spike or its loss (no non-finite gradient) says so.
         """
         return build_overflow_report(
             self._last_iteration,
             module=module,
             step=self._step_count,
             group=self.process_group if self._enabled else None,
+            reason=self.last_skip_reason,
         )
 
     def is_enabled(self) -> bool:

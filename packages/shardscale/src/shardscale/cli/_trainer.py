@@ -305,12 +305,11 @@ class TrainResult:
     sample: str
     wall_s: float
     history: list[StepMetrics] = field(default_factory=list)
-    #: ``scaler.overflow_report(model)`` of the first skipped step ("" if none was skipped).
+    #: ``scaler.overflow_report(model)`` of the first skipped step, its reason included
+    #: ("" if none was skipped).
     first_overflow: str = ""
     #: Skipped steps per reason (lower-case SkipReason names), e.g. ``{"overflow": 8}``.
     skip_reasons: dict[str, int] = field(default_factory=dict)
-    #: Why the first skipped step was skipped (the step ``first_overflow`` describes).
-    first_skip_reason: str | None = None
 
 
 class _RowFeed:
@@ -477,7 +476,6 @@ def train(
     history: list[StepMetrics] = []
     skipped_total = 0
     first_overflow = ""
-    first_reason: str | None = None
     reasons: dict[str, int] = {}
     try:
         for step in range(cfg.steps):
@@ -501,8 +499,7 @@ def train(
             if skipped and not first_overflow:
                 # Every rank knows the step was skipped (one decision), so every rank joins
                 # the report's gather; it must run before zero_grad frees the gradients.
-                first_overflow = str(scaler.overflow_report(model))
-                first_reason = row.skip_reason
+                first_overflow = str(scaler.overflow_report(model))  # says why, too
             if skipped:
                 reason = row.skip_reason or "unknown"
                 reasons[reason] = reasons.get(reason, 0) + 1
@@ -573,5 +570,4 @@ def train(
         history=history,
         first_overflow=first_overflow,
         skip_reasons=reasons,
-        first_skip_reason=first_reason,
     )

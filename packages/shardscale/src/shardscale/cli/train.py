@@ -404,7 +404,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "params_sha256": result.params_sha256,
                     "sample": result.sample,
                     "first_overflow": result.first_overflow,
-                    "first_skip_reason": result.first_skip_reason,
                 },
                 "history": [m.to_json() for m in result.history],
             }
