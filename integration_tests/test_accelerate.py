@@ -363,6 +363,7 @@ SPIKE_ABS = 100.0  # far above this model's clean pre-clip norms (checked), far 
 def _policy_case() -> dict[str, Any]:
     from shardscale.accelerate import use_shardscale
     from shardscale.core import SkipStreakError, SpikeSkip
+    from shardscale.core.testing import HostReadRecorder
 
     acc = _fresh_accelerator("bf16")
     assert acc.scaler is None  # Accelerate's bf16: no scaler, no guard
@@ -377,6 +378,7 @@ def _policy_case() -> dict[str, Any]:
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(100 + rank)
     rows: list[dict[str, Any]] = []
+    reads: list[list[str]] = []
     streak: dict[str, Any] = {}
     for step in range(STEPS + 2):
         loss = (model(torch.randn(8, DIM, generator=g)).float() - 1.0).pow(2).mean()
@@ -392,12 +394,14 @@ def _policy_case() -> dict[str, Any]:
         except SkipStreakError as exc:
             streak = {"step": step, "streak": exc.streak, "reasons": [int(r) for r in exc.reasons]}
             break
-        sched.step()
+        with HostReadRecorder() as asked:
+            sched.step()  # held on a skipped step without reading the flag (deferred copy)
+        reads.append(asked.seen)
         opt.zero_grad()
         rows.append({"ref_norm": ref, "skipped": acc.optimizer_step_was_skipped,
                      "reason": int(scaler.last_skip_reason), "scale": scaler.get_scale(),
                      "sched": sched.scheduler.last_epoch, "lr": opt.param_groups[0]["lr"]})  # fmt: skip
-    return {"rows": rows[:STEPS], "streak": streak, "params": _params(net)}
+    return {"rows": rows[:STEPS], "streak": streak, "params": _params(net), "reads": reads}
 
 
 def test_bf16_spike_nonfinite_and_streak_through_the_one_option(pool2: Pool) -> None:
@@ -421,6 +425,8 @@ def test_bf16_spike_nonfinite_and_streak_through_the_one_option(pool2: Pool) -> 
         taken = STEPS - len(expected)
         assert rows[-1]["sched"] == 2 * taken
         assert rows[-1]["lr"] == pytest.approx(1e-2 / (1.0 + 2 * taken), rel=1e-12)
+        # No scheduler step read a flag on the host (Accelerate's own asks bool() each step).
+        assert res["reads"] == [[]] * len(res["reads"]) and len(res["reads"]) >= STEPS
         # The second nan step in a row raises on every rank, at that step, naming the reason.
         assert res["streak"] == {
             "step": STEPS + 1, "streak": 2, "reasons": [int(SkipReason.NONFINITE)]

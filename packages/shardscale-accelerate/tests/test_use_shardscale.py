@@ -199,6 +199,104 @@ def test_fused_adamw_overflow_is_reported_and_the_scheduler_holds(tmp_path: Path
     assert scaler2.get_scale() == 256.0 and sched2.scheduler.last_epoch == 3
 
 
+# Each reason injected at a known step (the test's own decision): an inf loss under fp16
+# (OVERFLOW), a loss times 1e4 (SPIKE: the norm, checked here with torch's, far above the
+# threshold), a nan constant added to the loss (LOSS: finite gradients), a nan loss times the
+# gradients without loss scaling (NONFINITE).
+_REASONS = {
+    "fp16": {1: "OVERFLOW", 3: "LOSS"},
+    "bf16": {1: "SPIKE", 3: "LOSS", 4: "NONFINITE"},
+}
+_SPIKE_ABS = 1e3
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_every_skip_reason_holds_the_prepared_scheduler_without_a_host_read(
+    precision: str,
+) -> None:
+    from shardscale.core import SkipReason, SpikeSkip
+
+    inject = _REASONS[precision]
+    acc = _accelerator(mixed_precision=precision)
+    options: dict[str, Any] = {"check_loss": True}
+    if precision == "fp16":
+        options["init_scale"] = 512.0
+    else:
+        options.update(loss_scaling=False, spike=SpikeSkip(max_norm_abs=_SPIKE_ABS, z=None))
+    scaler = use_shardscale(acc, **options)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    raw = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    sched = torch.optim.lr_scheduler.StepLR(raw, step_size=1, gamma=0.5)
+    model, opt, sched = acc.prepare(model, raw, sched)
+    lrs: list[float] = []  # the lr each optimizer step used (fused: every step runs it)
+    raw.register_step_pre_hook(lambda o, *_: lrs.append(float(o.param_groups[0]["lr"])))
+    g = torch.Generator().manual_seed(3)
+    steps, reasons, reads, norms = 6, [], [], []
+    for step in range(steps):
+        loss = (model(torch.randn(4, 6, generator=g)).float() - 1).pow(2).mean()
+        what = inject.get(step)
+        if what == "OVERFLOW":
+            loss = loss * math.inf
+        elif what == "NONFINITE":
+            loss = loss * math.nan
+        elif what == "SPIKE":
+            loss = loss * 1e4
+        elif what == "LOSS":
+            loss = loss + torch.tensor(math.nan)  # a constant: no gradient of its own
+        acc.backward(loss)
+        norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+        acc.clip_grad_norm_(model.parameters(), 0.1)
+        opt.step()
+        with HostReadRecorder() as asked:
+            sched.step()
+        reads.append(asked.seen)
+        opt.zero_grad()
+        reasons.append(SkipReason(int(scaler.last_skip_reason)))  # the test's host read
+    if precision == "bf16":  # the spike is one by torch's norm, the clean steps are not
+        assert norms[1] > _SPIKE_ABS > max(n for i, n in enumerate(norms) if i not in inject)
+    assert reasons == [
+        SkipReason[inject[i]] if i in inject else SkipReason.NONE for i in range(steps)
+    ]
+    assert reads == [[]] * steps  # Accelerate's own scheduler reads each flag with bool()
+    # torch's StepLR advanced once per step taken before each optimizer step.
+    ref_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05)
+    ref = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    expected = []
+    for step in range(steps):
+        expected.append(ref.get_last_lr()[0])
+        if step not in inject:
+            ref_opt.step()
+            ref.step()
+    assert lrs == expected  # the same host float arithmetic in torch: equal exactly
+    assert sched.get_last_lr() == ref.get_last_lr()
+    assert sched.scheduler.last_epoch == steps - len(inject)
+
+
+def test_a_one_cycle_schedule_stops_at_its_end_as_accelerates_own_does() -> None:
+    # OneCycleLR raises when stepped past total_steps; Accelerate's scheduler stops there, and
+    # so must the deferred advance. Both runs must end in the same state.
+    def run(use: bool) -> tuple[int, list[float]]:
+        acc = _fresh(mixed_precision="no")
+        if use:
+            use_shardscale(acc, loss_scaling=False)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        raw = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.OneCycleLR(raw, max_lr=0.1, total_steps=3)
+        model, opt, sched = acc.prepare(model, raw, sched)
+        for _ in range(5):
+            acc.backward(model(torch.ones(2, 3)).sum())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        return sched.scheduler.last_epoch, sched.get_last_lr()
+
+    theirs = run(False)
+    assert theirs[0] == 3  # Accelerate's own: total_steps steps, then no more
+    assert run(True) == theirs
+
+
 def test_bf16_clip_is_torchs_clip_with_the_scaler_off() -> None:
     # No loss scaling, only the clipping: the same numbers as torch's clip_grad_norm_.
     acc = _accelerator(mixed_precision="no")

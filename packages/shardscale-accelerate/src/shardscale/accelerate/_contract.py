@@ -3,11 +3,14 @@
 [Note: why a contract check]
 Accelerate offers no hook to choose the loss scaler's class or how
 ``clip_grad_norm_`` and ``step_was_skipped`` work. ``use_shardscale`` therefore
-sets the public ``Accelerator.scaler`` attribute and overrides four methods on
-ONE ``Accelerator`` instance (``prepare_optimizer``, ``backward``,
-``unscale_gradients``, ``clip_grad_norm_``), and gives the
+sets the public ``Accelerator.scaler`` attribute and overrides five methods on
+ONE ``Accelerator`` instance (``prepare_optimizer``, ``prepare_scheduler``,
+``backward``, ``unscale_gradients``, ``clip_grad_norm_``), and gives the
 ``AcceleratedOptimizer`` objects it prepares a subclass that steps through the
-scaler and reads the skip flag from it. Each of those
+scaler and reads the skip flag from it, and the ``AcceleratedScheduler``
+objects one that defers the skip check (it reads the scheduler's
+``scheduler``, ``optimizers``, ``split_batches``, ``step_with_optimizer`` and
+``gradient_state``, the names of its ``__init__``). Each of those
 relies on a name and a signature below. When Accelerate changes one of them,
 :func:`check_accelerate` raises :class:`AccelerateContractError` naming it,
 before any object is touched, instead of training with a silently bypassed
@@ -27,6 +30,7 @@ TESTED_ACCELERATE = "1.15.0"
 # (class name, attribute, the leading parameter names it must accept, or None for a property)
 _METHODS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("Accelerator", "prepare_optimizer", ("self", "optimizer", "device_placement")),
+    ("Accelerator", "prepare_scheduler", ("self", "scheduler")),
     ("Accelerator", "unscale_gradients", ("self", "optimizer")),
     ("Accelerator", "clip_grad_norm_", ("self", "parameters", "max_norm", "norm_type")),
     ("Accelerator", "backward", ("self", "loss")),
@@ -36,7 +40,13 @@ _METHODS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("AcceleratedOptimizer", "__init__", ("self", "optimizer", "device_placement", "scaler")),
     ("AcceleratedOptimizer", "step", ("self", "closure")),
     ("AcceleratedOptimizer", "step_was_skipped", None),
-)
+    ("AcceleratedScheduler", "__init__",
+     ("self", "scheduler", "optimizers", "step_with_optimizer", "split_batches")),
+    ("AcceleratedScheduler", "step", ("self",)),
+    ("AcceleratedScheduler", "get_last_lr", ("self",)),
+    ("AcceleratedScheduler", "state_dict", ("self",)),
+    ("AcceleratedScheduler", "load_state_dict", ("self", "state_dict")),
+)  # fmt: skip
 # Instance attributes an Accelerator sets in __init__ that the override reads or writes.
 _ACCELERATOR_ATTRIBUTES = ("scaler", "scaler_handler", "_optimizers", "distributed_type",
                            "mixed_precision", "device")  # fmt: skip
@@ -54,10 +64,12 @@ def contract_problems(accelerator: Any | None = None) -> list[str]:
     import accelerate
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.scheduler import AcceleratedScheduler
 
     classes: dict[str, type] = {
         "Accelerator": Accelerator,
         "AcceleratedOptimizer": AcceleratedOptimizer,
+        "AcceleratedScheduler": AcceleratedScheduler,
     }
     problems: list[str] = []
     for cls_name, attr, params in _METHODS:

@@ -15,6 +15,10 @@ What it changes, on that instance only (see [Note: why a contract check]):
   unscaled, clipped or stepped again), and whose ``step_was_skipped`` is that
   optimizer's own skip flag, read only when asked (Accelerate derives it from
   whether ``optimizer.step`` was called, which a fused optimizer always is).
+* ``prepare_scheduler`` returns schedulers of a subclass,
+  :class:`~shardscale.accelerate._scheduler.ShardscaleAcceleratedScheduler`,
+  that holds on skipped steps without reading the skip flag on the host (see
+  [Note: the prepared scheduler's deferred decision]).
 * ``backward`` first ends an iteration whose update is still pending.
 * ``unscale_gradients`` unscales each optimizer at most once per iteration,
   whenever the scaler is enabled (Accelerate only does on an fp16
@@ -37,6 +41,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 from shardscale.accelerate._contract import check_accelerate
+from shardscale.accelerate._scheduler import hold_prepared_scheduler
 from shardscale.clip import unscale_and_clip_
 from shardscale.core import Iteration, ShardedGradScaler, optimizer_params
 
@@ -102,11 +107,17 @@ class ShardscaleAcceleratedOptimizer(AcceleratedOptimizer):  # type: ignore[misc
             it.end()
 
     @property
-    def step_was_skipped(self) -> bool:
-        """Whether this optimizer's last synchronised step was skipped on every rank (any reason)."""
+    def skip_flag(self) -> torch.Tensor | None:
+        """This optimizer's last skip flag as a 0-dim device tensor (no host read), or ``None``."""
         flag: torch.Tensor | None = getattr(self, "_shardscale_skipped", None)
         if flag is None and isinstance(self.scaler, ShardedGradScaler):
             flag = self.scaler.last_step_skipped  # an optimizer whose own flag is unknowable
+        return flag
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether this optimizer's last synchronised step was skipped on every rank (any reason)."""
+        flag = self.skip_flag
         return bool(flag) if flag is not None else False
 
 
@@ -123,6 +134,18 @@ def _prepare_optimizer(
         prepared.__class__ = ShardscaleAcceleratedOptimizer  # same state, our step/skip signal
         prepared._shardscale_iteration = _iteration(self)
     return prepared
+
+
+def _skip_flag(optimizer: Any) -> torch.Tensor | bool | None:
+    """A prepared optimizer's flag for the scheduler; ``False`` for one not ours (Accelerate asks it)."""
+    if isinstance(optimizer, ShardscaleAcceleratedOptimizer):
+        return optimizer.skip_flag
+    return False
+
+
+def _prepare_scheduler(self: Accelerator, scheduler: Any) -> Any:
+    prepared = type(self).prepare_scheduler(self, scheduler)
+    return hold_prepared_scheduler(prepared, _skip_flag)  # same state, a deferred hold
 
 
 def _backward(self: Accelerator, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -276,6 +299,7 @@ def use_shardscale(
     accelerator.__dict__["_shardscale_iteration"] = _Iteration(scaler, accelerator._optimizers)
     # Instance attributes shadow the class's methods for this accelerator only.
     accelerator.prepare_optimizer = types.MethodType(_prepare_optimizer, accelerator)  # type: ignore[method-assign]
+    accelerator.prepare_scheduler = types.MethodType(_prepare_scheduler, accelerator)  # type: ignore[method-assign]
     accelerator.backward = types.MethodType(_backward, accelerator)  # type: ignore[method-assign]
     accelerator.unscale_gradients = types.MethodType(_unscale_gradients, accelerator)  # type: ignore[method-assign]
     accelerator.clip_grad_norm_ = types.MethodType(_clip_grad_norm_, accelerator)  # type: ignore[method-assign]
