@@ -29,6 +29,7 @@ from shardscale.accelerate import (
     TESTED_ACCELERATE,
     AccelerateContractError,
     ShardscaleAcceleratedOptimizer,
+    ShardscaleAcceleratedScheduler,
     check_accelerate,
     contract_problems,
     is_using_shardscale,
@@ -229,6 +230,7 @@ def test_every_skip_reason_holds_the_prepared_scheduler_without_a_host_read(
     raw = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
     sched = torch.optim.lr_scheduler.StepLR(raw, step_size=1, gamma=0.5)
     model, opt, sched = acc.prepare(model, raw, sched)
+    assert isinstance(sched, ShardscaleAcceleratedScheduler)
     lrs: list[float] = []  # the lr each optimizer step used (fused: every step runs it)
     raw.register_step_pre_hook(lambda o, *_: lrs.append(float(o.param_groups[0]["lr"])))
     g = torch.Generator().manual_seed(3)

@@ -32,11 +32,13 @@ if TYPE_CHECKING:
         is_using_shardscale,
         use_shardscale,
     )
+    from shardscale.accelerate._scheduler import ShardscaleAcceleratedScheduler
 
 __all__ = [
     "use_shardscale",
     "is_using_shardscale",
     "ShardscaleAcceleratedOptimizer",
+    "ShardscaleAcceleratedScheduler",
     "check_accelerate",
     "contract_problems",
     "AccelerateContractError",
@@ -45,10 +47,12 @@ __all__ = [
 
 _CONTRACT = "shardscale.accelerate._contract"
 _INSTALL = "shardscale.accelerate._install"
+_SCHEDULER = "shardscale.accelerate._scheduler"
 _WHERE = {
     "use_shardscale": _INSTALL,
     "is_using_shardscale": _INSTALL,
     "ShardscaleAcceleratedOptimizer": _INSTALL,
+    "ShardscaleAcceleratedScheduler": _SCHEDULER,
     "check_accelerate": _CONTRACT,
     "contract_problems": _CONTRACT,
     "AccelerateContractError": _CONTRACT,

@@ -16,7 +16,7 @@ What it changes, on that instance only (see [Note: why a contract check]):
   optimizer's own skip flag, read only when asked (Accelerate derives it from
   whether ``optimizer.step`` was called, which a fused optimizer always is).
 * ``prepare_scheduler`` returns schedulers of a subclass,
-  :class:`~shardscale.accelerate._scheduler.ShardscaleAcceleratedScheduler`,
+  :class:`ShardscaleAcceleratedScheduler`,
   that holds on skipped steps without reading the skip flag on the host (see
   [Note: the prepared scheduler's deferred decision]).
 * ``backward`` first ends an iteration whose update is still pending.
