@@ -7,8 +7,10 @@ give the learning rate it gives after N - K steps.
 
 from __future__ import annotations
 
+import gc
 import math
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +21,7 @@ from torch.optim import lr_scheduler as tls
 from shardscale.core import (
     ConstantSchedule,
     CosineSchedule,
+    DeferredStep,
     DeviceLRSchedule,
     ExponentialSchedule,
     LinearSchedule,
@@ -362,6 +365,30 @@ def test_wrapped_scheduler_with_a_scaler_and_an_unfused_optimizer() -> None:
         after(step)
     assert box["held"].last_epoch == ref.last_epoch == 9
     assert box["held"].get_last_lr() == ref.get_last_lr()
+
+
+def test_deferred_step_runs_only_for_a_taken_step_and_lets_go_of_the_optimizer() -> None:
+    # The deferral the Lightning and Accelerate integrations hold schedulers with.
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    calls: list[tuple[Any, ...]] = []
+    deferred = DeferredStep(opt, lambda *a, **k: calls.append((a, k)))
+    deferred.submit(torch.tensor(True), (1,), {})
+    deferred.submit(torch.tensor(False), (2,), {"metric": 0.5})
+    deferred.submit(torch.tensor(3.0) != 0, (3,), {})  # any 0-dim bool flag
+    deferred.settle()  # nothing pending off a GPU: the copy landed at submit
+    assert calls == [((2,), {"metric": 0.5})] and not deferred.pending
+    deferred.drop()
+    deferred.remove()
+    opt.step()  # the hook is gone
+    assert calls == [((2,), {"metric": 0.5})]
+    # The optimizer's hook holds the deferral weakly: it dies with its owner, the optimizer
+    # still steps.
+    gone = DeferredStep(opt, lambda *a, **k: None)
+    ref = weakref.ref(gone)
+    del gone
+    gc.collect()
+    assert ref() is None
+    opt.step()
 
 
 def test_the_wrapper_refuses_what_is_not_a_torch_scheduler() -> None:
