@@ -207,6 +207,62 @@ def test_trainer_fused_adamw_clip_skip_and_no_host_read_in_the_step() -> None:
 # -- the registry -----------------------------------------------------------------------------
 
 
+class _DeviceScheduled(_Net):
+    """A DeviceLRSchedule from the plugin's scaler: the lr is computed on the device."""
+
+    def __init__(self, *, overflow_at: int) -> None:
+        super().__init__(overflow_at=overflow_at)
+        self.lrs: list[float] = []
+        self.sched_reads: list[list[str]] = []
+
+    def configure_optimizers(self) -> Any:
+        from shardscale.core import DeviceLRSchedule, ExponentialSchedule
+
+        opt = torch.optim.AdamW(self.parameters(), lr=0.1, fused=True)
+        scaler = self.trainer.precision_plugin.scaler
+        sched = DeviceLRSchedule(opt, ExponentialSchedule(gamma=0.5), scaler=scaler)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        # Lightning calls schedulers outside torch's LRScheduler through this hook.
+        with HostReadRecorder() as reads:
+            scheduler.step()
+        self.sched_reads.append(reads.seen)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.lrs.append(float(self.trainer.optimizers[0].param_groups[0]["lr"]))  # test's read
+
+
+def test_a_device_lr_schedule_is_left_to_itself_and_holds_on_the_skipped_step() -> None:
+    from shardscale.core import DeviceLRSchedule
+
+    plugin = ShardscalePrecision("16-mixed", device="cpu", init_scale=256.0)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, plugins=[plugin], max_steps=5, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    data = torch.utils.data.TensorDataset(
+        torch.randn(20, 4, generator=torch.Generator().manual_seed(1))
+    )
+    model = _DeviceScheduled(overflow_at=2)
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    assert type(sched) is DeviceLRSchedule and not is_held(sched)  # not held a second time
+    assert model.sched_reads == [[]] * 5
+    # torch's ExponentialLR advanced once per step taken before each step (step 2 overflowed).
+    ref_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    ref = torch.optim.lr_scheduler.ExponentialLR(ref_opt, gamma=0.5)
+    expected = []
+    for step in range(5):
+        expected.append(ref.get_last_lr()[0])
+        if step != 2:
+            ref_opt.step()
+            ref.step()
+    # Ours: float64 on the device, stored as a float32 lr: one rounding, 2**-24 relative.
+    assert model.lrs == pytest.approx(expected, rel=2**-23, abs=0.0)
+    assert int(sched.taken_steps) == 4
+
+
 def test_listed_by_the_registry_without_importing_lightning() -> None:
     code = (
         "import json, sys\n"

@@ -43,7 +43,13 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from shardscale.clip import clip_grad_norm_, unscale_and_clip_
-from shardscale.core import Iteration, ShardedGradScaler, optimizer_params
+from shardscale.core import (
+    DeviceLRSchedule,
+    Iteration,
+    ShardedGradScaler,
+    SkipAwareScheduler,
+    optimizer_params,
+)
 from shardscale.lightning._schedulers import hold_on_skipped_steps
 
 __all__ = ["ShardscalePrecision", "PrecisionName"]
@@ -202,9 +208,16 @@ class ShardscalePrecision(FSDPPrecision):
         optimizers: list[torch.optim.Optimizer],
         lr_schedulers: list[Any],
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer], list[Any]]:
-        """Hold every ``interval="step"`` scheduler on steps the scaler skips."""
+        """Hold every ``interval="step"`` scheduler on steps the scaler skips.
+
+        Schedules that already obey the verdict (``DeviceLRSchedule``,
+        ``SkipAwareScheduler``, built with ``scaler=plugin.scaler``) are left as
+        they are: holding them again would count a skip twice.
+        """
         if self.hold_schedulers and self.scaler is not None:
             for config in lr_schedulers:
+                if isinstance(config.scheduler, (DeviceLRSchedule, SkipAwareScheduler)):
+                    continue
                 if getattr(config, "interval", None) == "step":
                     hold_on_skipped_steps(config.scheduler, self.step_was_skipped)
         return model, optimizers, lr_schedulers
