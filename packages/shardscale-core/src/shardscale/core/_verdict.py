@@ -217,9 +217,10 @@ class SpikeWindow:
     def accept(self, taken: torch.Tensor, norm: torch.Tensor) -> None:
         """Put ``norm`` in the window if the step was ``taken`` (device ops only)."""
         assert self.buffer is not None and self.count is not None
-        at = self.count.remainder(self.policy.window)
+        # A 1-element index tensor: indexing with a 0-dim one would read it on the host.
+        at = self.count.remainder(self.policy.window).reshape(1)
         value = norm if norm.dtype is torch.float64 else norm.to(torch.float64)
-        self.buffer.index_put_((at,), torch.where(taken, value, self.buffer[at]))
+        self.buffer.index_put_((at,), torch.where(taken, value, self.buffer.index_select(0, at)))
         self.count += taken
 
     def state(self) -> tuple[list[float], int]:
