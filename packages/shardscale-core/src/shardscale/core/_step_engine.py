@@ -60,15 +60,16 @@ decided on each rank from its own gradients (float64 if it reads float64 ones,
 as torch), so ranks agree whenever they hold the same parameter dtypes.
 
 Why per-rank slots, not a constant-size vector (docs/benchmark.md, the scale
-table): NCCL's own tuning model puts this vector's all-reduce at 1.08x an
-8-byte one at 1 024 ranks, 1.81x at 16 384, 1.95x at 65 536 and 2.03x at
-131 072 (H100 nodes of 8, 400 Gb/s per GPU): about 0.16 ms more per step at
-10^5 ranks. The per-rank nonfinite counts feed every step's
+table): NCCL's own tuning model puts this vector's all-reduce at 1.05x an
+8-byte one at 1 024 ranks, 1.79x at 16 384, 1.88x at 65 536 and 1.93x at
+131 072 (H100 nodes of 8, 400 Gb/s per GPU): about 0.15 ms more per step at
+10^5 ranks (with 6·W + 2 values, before ``status`` was packed: 1.95x and
+2.03x). The per-rank nonfinite counts feed every step's
 ``StepRecord.nonfinite_per_rank`` without a host sync, which a constant-size
 SUM cannot carry. What did grow with W on every step was host work: it now
-reads three device-computed flags, not the 3·W error/fingerprint slots
-(``ErrorBlocks``), so the decision costs O(1) host work and O(W) device work
-(simulated at 131 072 ranks on one CPU thread: 137 ms -> 8-11 ms per step).
+reads one device-computed flag, not the W status slots (``ErrorBlocks``), so
+the decision costs O(1) host work and O(W) device work (simulated at 131 072
+ranks on one CPU thread: 137 ms -> 4-7 ms per step).
 
 Ranks whose chain fingerprints differ raise together: they reached the same
 collective through different middleware, which can mismatch and hang the
