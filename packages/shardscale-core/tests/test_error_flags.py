@@ -1,8 +1,10 @@
-"""The three flags a rank reads on the host after each step, instead of the 3·W error slots.
+"""The one flag a rank reads on the host after each step, instead of the W status slots.
 
-ErrorBlocks computes them on the vector's device; the W-slot blocks are read only when one is
-set (see [Note: errors that reach every rank]). The vectors here are written slot by slot
-through VectorLayout, as W ranks' SUM would leave them.
+ErrorBlocks reads it from the decision's flags (``_step_arith.summarize``), computed on the
+vector's device; the W-slot block is read only when it is set (see [Note: errors that reach
+every rank]). Each rank's status packs its error code with its chain and declarations
+fingerprints into one float64; the vectors here are written slot by slot through VectorLayout,
+as W ranks' SUM would leave them.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import pytest
 import torch
 
 from shardscale.core import VectorLayout
-from shardscale.core._step_errors import ErrorBlocks
+from shardscale.core._step_arith import summarize
+from shardscale.core._step_errors import ERROR_KINDS, ErrorBlocks, fingerprint
+from shardscale.core._step_vector import pack_status, unpack_status
 
 WORLD = 5
 
@@ -25,36 +29,61 @@ def _reduced(
     layout = VectorLayout(WORLD)
     vec = torch.zeros(layout.size, dtype=torch.float64)
     for r in range(WORLD):
-        vec[layout.slot("chain", r)] = (chain or {}).get(r, 1234.0)
-        vec[layout.slot("declarations", r)] = (declarations or {}).get(r, 98765.0)
-        vec[layout.slot("error", r)] = (codes or {}).get(r, 0)
+        vec[layout.slot("status", r)] = pack_status(
+            (codes or {}).get(r, 0),
+            (chain or {}).get(r, 1234.0),
+            (declarations or {}).get(r, 98765.0),
+        )
     return vec
+
+
+def _blocks(vec: torch.Tensor) -> ErrorBlocks:
+    layout = VectorLayout(WORLD)
+    return ErrorBlocks(vec, layout, summarize(vec, layout).flags)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "want"),
     [
-        ({}, (0, False, False)),
-        ({"codes": {2: 3}}, (1, False, False)),
-        ({"codes": {0: 1, 4: 9}}, (2, False, False)),
-        ({"chain": {3: 4321.0}}, (0, True, False)),
-        ({"declarations": {0: 1.0}}, (0, False, True)),
-        ({"codes": {1: 8}, "chain": {1: 7.0}, "declarations": {4: 2.0}}, (1, True, True)),
+        ({}, False),
+        ({"codes": {2: 3}}, True),
+        ({"codes": {0: 1, 4: 9}}, True),
+        ({"codes": dict.fromkeys(range(WORLD), 2)}, True),  # every rank failed alike
+        ({"chain": {3: 4321.0}}, True),
+        ({"declarations": {0: 1.0}}, True),
+        ({"declarations": {0: 98766.0}}, True),  # one unit apart: exact in float64
+        ({"codes": {1: 8}, "chain": {1: 7.0}, "declarations": {4: 2.0}}, True),
     ],
 )
-def test_flags_say_what_the_blocks_hold(
-    kwargs: dict[str, dict[int, float]], want: tuple[int, bool, bool]
+def test_the_flag_says_whether_a_rank_failed_or_ranks_disagree(
+    kwargs: dict[str, dict[int, float]], want: bool
 ) -> None:
-    errors = ErrorBlocks(_reduced(**kwargs), VectorLayout(WORLD))
-    assert errors.read_flags(wait=False) == want
-    assert errors.read_flags(wait=True) == want
+    errors = _blocks(_reduced(**kwargs))
+    assert errors.read_failed(wait=False) is want
+    assert errors.read_failed(wait=True) is want
     assert not errors.on_device and errors.arrived()
 
 
-def test_blocks_are_read_by_name_on_the_failure_path() -> None:
-    errors = ErrorBlocks(_reduced(codes={3: 6}, chain={1: 55.0}), VectorLayout(WORLD))
+def test_blocks_are_decoded_by_name_on_the_failure_path() -> None:
+    errors = _blocks(_reduced(codes={3: 6}, chain={1: 55.0}))
     blocks = errors.read(wait=True)
     assert blocks is not None
     assert blocks["error"] == [0.0, 0.0, 0.0, 6.0, 0.0]
     assert blocks["chain"] == [1234.0, 55.0, 1234.0, 1234.0, 1234.0]
     assert blocks["declarations"] == [98765.0] * WORLD
+
+
+def test_status_holds_the_largest_code_and_fingerprints_exactly() -> None:
+    # The extremes: the last code an error can get, and 24-bit fingerprints at their maximum.
+    top = len(ERROR_KINDS) + 1
+    for code, chain, decl in [(top, 2.0**24 - 1, 2.0**24 - 1), (0, 0.0, 0.0), (1, 0.0, 1.0)]:
+        packed = pack_status(code, chain, decl)
+        assert packed == float(int(packed)) and packed < 2.0**53  # an exact float64 integer
+        assert unpack_status(packed) == (code, chain, decl)
+    # Fingerprints of real text fit their 24 bits.
+    assert unpack_status(pack_status(2, fingerprint("counting+c10d"), fingerprint("x")))[1:] == (
+        fingerprint("counting+c10d"),
+        fingerprint("x"),
+    )
+    with pytest.raises(ValueError, match="status out of range"):
+        pack_status(16, 0.0, 0.0)

@@ -18,14 +18,15 @@ __all__ = ["HostCopy"]
 class HostCopy:
     """The values of a device tensor, on their way to (or in) host memory."""
 
-    __slots__ = ("_event", "_host")
+    __slots__ = ("_event", "_host", "_values")
 
     def __init__(self, values: torch.Tensor) -> None:
         self._event: Any = None
+        self._values: list[Any] | None = None  # read once
         if values.device.type == "cpu":
             # Already host memory, and never written after the step: read in place (at 10^5
             # ranks a copy of the error blocks would cost more than the rest of the decision).
-            self._host = values.reshape(-1)
+            self._host = values if values.dim() == 1 else values.reshape(-1)
             return
         on_gpu = values.device.type == "cuda"
         self._host = torch.empty(values.numel(), dtype=values.dtype, pin_memory=on_gpu)
@@ -45,9 +46,11 @@ class HostCopy:
 
     def read(self, *, wait: bool = True) -> list[Any] | None:
         """The values as Python numbers; None if not ``wait`` and the copy is still on its way."""
+        if self._values is not None:
+            return self._values
         if self._event is not None:
             if not wait and not self._event.query():
                 return None
             self._event.synchronize()
-        values: list[Any] = self._host.tolist()
-        return values
+        self._values = self._host.tolist()
+        return self._values

@@ -101,7 +101,7 @@ class _OptimizerState(dict[str, Any]):
     gradients scaled.
     """
 
-    __slots__ = ("grad_scale", "overflow", "pending", "reason")
+    __slots__ = ("_verdict_skip", "grad_scale", "overflow", "pending", "reason")
 
     def __init__(self) -> None:
         super().__init__(stage=OptState.READY, found_inf_per_device={})
@@ -111,6 +111,7 @@ class _OptimizerState(dict[str, Any]):
         #: ``found_inf_per_device`` holds the verdict the optimizer obeys (any reason).
         self.overflow: torch.Tensor | None = None
         self.reason: torch.Tensor | None = None
+        self._verdict_skip: torch.Tensor | None = None
 
     def __getitem__(self, key: str) -> Any:
         if key == "found_inf_per_device":
@@ -137,6 +138,7 @@ class _OptimizerState(dict[str, Any]):
         """Store a step's verdict: the skip flag the optimizer obeys, the overflow, the reason."""
         skip = result.skip if result.skip is not None else result.found_inf
         self["found_inf_per_device"] = {skip.device: skip}
+        self._verdict_skip = skip if result.skip is not None else None
         self.overflow, self.reason = result.found_inf, result.skip_reason
 
     def record(self, result: StepResult, grad_scale: torch.Tensor | None) -> None:
@@ -151,6 +153,8 @@ class _OptimizerState(dict[str, Any]):
         flags: list[torch.Tensor] = list(self["found_inf_per_device"].values())
         if not flags:
             return None
+        if len(flags) == 1 and flags[0] is self._verdict_skip and flags[0].device == device:
+            return flags[0]  # the engine's own verdict: already one 0-dim float32 0/1 flag
         total = torch.zeros((), dtype=torch.float32, device=device)
         for flag in flags:
             total = total + flag.to(device, non_blocking=True).reshape(())
@@ -166,6 +170,11 @@ def _nonfinite_per_rank(
     if not counts or len({c.shape for c in counts}) != 1:
         return None
     return counts[0] if len(counts) == 1 else torch.stack(counts).sum(dim=0)
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # A Python check, not a no-op .to(): each dispatched op is host time on every step.
+    return tensor if tensor.device == device else tensor.to(device, non_blocking=True)
 
 
 def _strongest(flags: list[torch.Tensor]) -> torch.Tensor:
@@ -971,9 +980,9 @@ class ShardedGradScaler:
                 continue
             skips.append(skip)
             overflow = state.overflow if state.overflow is not None else skip
-            overflows.append(overflow.to(device, non_blocking=True))
+            overflows.append(_on(overflow, device))
             if state.reason is not None:
-                reasons.append(state.reason.to(device, non_blocking=True))
+                reasons.append(_on(state.reason, device))
         if not skips:
             return None
         if not reasons:  # flags written by code outside the engine: a non-finite gradient, if any

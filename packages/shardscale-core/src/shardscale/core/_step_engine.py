@@ -40,9 +40,10 @@ peak          M_r: max over its counted tensors of the tensor's p-norm
               (finite ones)
 scaled_sum    S_r: Σ_t (n_t / M_r)^p over the same tensors, each term ≤ 1
 nonfinite     how many of its local gradients hold inf/nan
-error         an error code (0: none; ``_step_errors.ERROR_KINDS``)
-chain         a 24-bit fingerprint of its backend chain's names
-declarations  a 24-bit fingerprint of what must agree (see [Note: declarations])
+status        code·2^48 + chain·2^24 + declarations: its error code (0:
+              none; ``_step_errors.ERROR_KINDS``, < 2^4), a 24-bit
+              fingerprint of its backend chain's names and one of what must
+              agree (see [Note: declarations]); < 2^52, an exact float64
 ============  ===========================================================
 
 plus two values every rank adds to: ``nan``, how many of the non-finite
@@ -51,20 +52,24 @@ gradients hold nan (the reported norm is nan then, else inf), and
 verdict] in ``_verdict``). The global norm
 is M·(Σ_r S_r (M_r/M)^p)^(1/p) with M = max_r M_r: no intermediate exceeds the
 norm itself, so the combination cannot overflow for any p > 0. Its size is
-6·W + 2 numbers: 48 KiB for 1024 ranks, 6 MiB for 131 072. The norm's dtype is
+4·W + 2 numbers: 32 KiB for 1024 ranks, 4 MiB for 131 072. The device reads
+every flag of the decision from it in a handful of ops (``_step_arith``): one
+``aminmax`` over the (blocks x W) view; a rank failed or ranks disagree exactly
+when the largest status is >= 2^48 or differs from the smallest. The norm's dtype is
 decided on each rank from its own gradients (float64 if it reads float64 ones,
 as torch), so ranks agree whenever they hold the same parameter dtypes.
 
 Why per-rank slots, not a constant-size vector (docs/benchmark.md, the scale
-table): NCCL's own tuning model puts this vector's all-reduce at 1.08x an
-8-byte one at 1 024 ranks, 1.81x at 16 384, 1.95x at 65 536 and 2.03x at
-131 072 (H100 nodes of 8, 400 Gb/s per GPU): about 0.16 ms more per step at
-10^5 ranks. The per-rank nonfinite counts feed every step's
+table): NCCL's own tuning model puts this vector's all-reduce at 1.05x an
+8-byte one at 1 024 ranks, 1.79x at 16 384, 1.88x at 65 536 and 1.93x at
+131 072 (H100 nodes of 8, 400 Gb/s per GPU): about 0.15 ms more per step at
+10^5 ranks (with 6·W + 2 values, before ``status`` was packed: 1.95x and
+2.03x). The per-rank nonfinite counts feed every step's
 ``StepRecord.nonfinite_per_rank`` without a host sync, which a constant-size
 SUM cannot carry. What did grow with W on every step was host work: it now
-reads three device-computed flags, not the 3·W error/fingerprint slots
-(``ErrorBlocks``), so the decision costs O(1) host work and O(W) device work
-(simulated at 131 072 ranks on one CPU thread: 137 ms -> 8-11 ms per step).
+reads one device-computed flag, not the W status slots (``ErrorBlocks``), so
+the decision costs O(1) host work and O(W) device work (simulated at 131 072
+ranks on one CPU thread: 137 ms -> 4-7 ms per step).
 
 Ranks whose chain fingerprints differ raise together: they reached the same
 collective through different middleware, which can mismatch and hang the
@@ -131,6 +136,7 @@ from shardscale.core._errors import DeclarationError
 from shardscale.core._gradients import GradBuckets, collect_grads
 from shardscale.core._plain_adapter import PlainTensorAdapter
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, Handle, ReduceOp
+from shardscale.core._step_arith import TINY64, fill_local, summarize
 from shardscale.core._step_errors import (
     ErrorBlocks,
     GradientDeviceError,
@@ -145,8 +151,8 @@ from shardscale.core._step_errors import (
     raise_step_errors,
     verify_same_chain,
 )
-from shardscale.core._step_vector import VectorLayout
-from shardscale.core._verdict import Verdict, decide
+from shardscale.core._step_vector import VectorLayout, pack_status
+from shardscale.core._verdict import SkipReason, Verdict, finish_verdict, skip_reason
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -330,8 +336,7 @@ class StepResult:
             return True
         if self._errors is None or self._errors.on_device:
             return False
-        flags = self._errors.read_flags(wait=False)
-        return flags is not None and any(flags)
+        return bool(self._errors.read_failed(wait=False))
 
     def raise_errors(self, *, wait: bool = True) -> None:
         """Raise on every rank if any rank of the step failed or ranks disagree; else a no-op.
@@ -344,12 +349,12 @@ class StepResult:
         if self._raised:
             return
         errors = self._errors
-        flags = errors.read_flags(wait=wait) if errors is not None else None
-        if flags is None and self.local_error is None:
+        flagged = errors.read_failed(wait=wait) if errors is not None else None
+        if flagged is None and self.local_error is None:
             return  # still on its way: stays pending
         drop_pending(self)
-        # The W-slot blocks are read only when something failed (see ErrorBlocks).
-        failed = errors is not None and flags is not None and any(flags)
+        # The W-slot block is read only when something failed (see ErrorBlocks).
+        failed = errors is not None and bool(flagged)
         blocks = errors.read(wait=True) if failed and errors is not None else None
         try:
             raise_step_errors(
@@ -895,37 +900,44 @@ def _local_vector(
     chain: str,
     loss_nonfinite: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """This rank's slots of the step's vector, and which local tensors read finite."""
-    layout, rank, p = VectorLayout(local.world), local.rank, local.norm_type
-    vec = torch.zeros(layout.size, dtype=torch.float64, device=device)
+    """This rank's slots of the step's vector, and which local tensors read finite.
+
+    Few device ops, whatever the bucket count (see [Note: the step's fixed cost] in
+    ``_step_arith``): slots the step has nothing for stay 0.
+    """
+    p = local.norm_type
+    slots: dict[str, torch.Tensor] = {}
+    shared: dict[str, torch.Tensor] = {}
     if reading.counted_norms and p is not None:
-        n = torch.cat(reading.counted_norms)
-        n = torch.where(torch.isfinite(n), n, torch.zeros_like(n))
-        peak = n.max()
-        vec[layout.slot("peak", rank)] = peak
+        n = _joined(reading.counted_norms).nan_to_num(0.0, 0.0, 0.0)  # finite ones only
+        peak = slots["peak"] = n.amax()
         if not math.isinf(p):
-            ratio = n / torch.where(peak > 0, peak, torch.ones_like(peak))
-            vec[layout.slot("scaled_sum", rank)] = ratio.pow(p).sum()
-    nonfinite = torch.zeros((), dtype=torch.float64, device=device)
-    nan = torch.zeros((), dtype=torch.float64, device=device)
+            slots["scaled_sum"] = (n / peak.clamp(min=TINY64)).pow(p).sum()
     finite = None
+    counts: list[torch.Tensor] = []
     if reading.every_norms:
-        every = torch.cat(reading.every_norms)
+        every = _joined(reading.every_norms)
         finite = torch.isfinite(every)
-        nonfinite = nonfinite + (~finite).sum()
-        nan = nan + torch.isnan(every).sum()
-    for flag in reading.flags:
-        nonfinite = nonfinite + (flag > 0).to(torch.float64)
-    vec[layout.slot("nonfinite", rank)] = nonfinite
-    vec[layout.slot("error", rank)] = float(local.code)
-    vec[layout.slot("chain", rank)] = fingerprint(chain)
-    vec[layout.slot("declarations", rank)] = fingerprint(local.declarations)
-    vec[layout.shared("nan")] = nan
+        counts.append((~finite).sum(dtype=torch.float64))
+        shared["nan"] = every.isnan().sum(dtype=torch.float64)
+    if reading.flags:
+        flags = reading.flags
+        counts.append(flags[0] > 0 if len(flags) == 1 else torch.stack(flags).gt(0).sum())
+    if counts:
+        slots["nonfinite"] = counts[0] if len(counts) == 1 else counts[0] + counts[1]
     if loss_nonfinite is not None:
-        vec[layout.shared("loss_nonfinite")] = (loss_nonfinite.reshape(()) != 0).to(
-            device=device, dtype=torch.float64
-        )
+        observed = loss_nonfinite if loss_nonfinite.dim() == 0 else loss_nonfinite.reshape(())
+        if observed.device != device:
+            observed = observed.to(device, non_blocking=True)
+        shared["loss_nonfinite"] = observed != 0
+    status = pack_status(local.code, fingerprint(chain), fingerprint(local.declarations))
+    layout = VectorLayout(local.world)
+    vec = fill_local(layout, local.rank, device, slots=slots, shared=shared, status=status)
     return vec, finite
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 _COLLECTIVE_NOTE = (
@@ -961,49 +973,42 @@ def _decide(
     """found_inf, norm, coef and grad_scale from the reduced vector, identical on every rank."""
     vec, layout = result.vector, result.layout
     p, max_norm, scale = local.norm_type, local.max_norm, request.scale
-    # A non-finite gradient, an error or a disagreement on any rank: nothing is stepped on.
-    result._errors = ErrorBlocks(vec, layout)
-    held_nonfinite = vec[layout.block("nonfinite")].sum() > 0
-    # flags: failing ranks, chains differ, declarations differ (computed once, on the device).
-    error = result._errors.flags.sum() > 0
-    bad = held_nonfinite | error
-    result.found_inf.copy_(bad.to(torch.float32))
+    summary = summarize(vec, layout)
+    result._errors = ErrorBlocks(vec, layout, summary.flags)
+    assert result.skip is not None and result.skip_reason is not None
+    # Every reason but a spike, from the flags at once; a non-finite gradient, an error or a
+    # disagreement on any rank (the reasons from NONFINITE up): nothing is stepped on.
+    reason = skip_reason(summary.flags, summary.names, request.verdict, out=result.skip_reason)
+    bad = reason >= int(SkipReason.NONFINITE)
+    result.found_inf.copy_(bad)
     if p is not None:
-        peaks = vec[layout.block("peak")]
-        top = peaks.max()
+        top = summary.hi[0]
         if math.isinf(p):
             value = top
         else:
-            safe_top = torch.where(top > 0, top, torch.ones_like(top))
-            total = (vec[layout.block("scaled_sum")] * (peaks / safe_top).pow(p)).sum()
+            peaks, sums = summary.blocks.unbind()[:2]
+            total = (sums * (peaks / top.clamp(min=TINY64)).pow(p)).sum()
             value = top * total.pow(1.0 / p)
         if inv_scale is not None:
             value = value * inv_scale.to(torch.float64)
         # float64 when this rank reads float64 gradients, as torch; decided locally (no host
         # read of the vector), so ranks agree whenever they hold the same parameter dtypes.
         f64 = any(dtype is torch.float64 for _, dtype in local.buckets.every)
-        dtype = torch.float64 if f64 else torch.float32
-        nonfinite = torch.where(vec[layout.shared("nan")] > 0, math.nan, math.inf)
-        result.norm = torch.where(bad, nonfinite.to(value.dtype), value).to(dtype)
+        nonfinite = torch.where(summary.flag("nan"), math.nan, math.inf)
+        norm = torch.where(bad, nonfinite, value)
+        result.norm = norm if f64 else norm.to(torch.float32)
         if not math.isinf(max_norm):
-            clip = (max_norm / (result.norm.to(torch.float64) + EPS)).clamp(max=1.0)
+            norm64 = result.norm if f64 else result.norm.to(torch.float64)
+            clip = (max_norm / (norm64 + EPS)).clamp(max=1.0)
             if scale is not None:
                 # With a scaler an overflow step is skipped: leave the grads as unscale_ would.
-                clip = torch.where(bad, torch.ones_like(clip), clip)
+                clip = torch.where(bad, 1.0, clip)
             result.coef = clip.to(torch.float32)
     if request.apply is Apply.FUSED:
         assert scale is not None
-        result.grad_scale = scale / result.coef.to(scale.device)
-    skip, reason = decide(
-        error=error,
-        nonfinite=held_nonfinite,
-        loss_nonfinite=vec[layout.shared("loss_nonfinite")] > 0,
-        norm=result.norm,
-        verdict=request.verdict,
-    )
-    assert result.skip is not None and result.skip_reason is not None
-    result.skip.copy_(skip)
-    result.skip_reason.copy_(reason)
+        coef = result.coef if result.coef.device == scale.device else result.coef.to(scale.device)
+        result.grad_scale = scale / coef
+    finish_verdict(result.skip_reason, result.skip, norm=result.norm, verdict=request.verdict)
     if result._errors.on_device:
         add_pending(result)
 

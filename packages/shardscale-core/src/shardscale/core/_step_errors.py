@@ -6,12 +6,13 @@ adapter combines, a meta gradient, a bad option, a declaration that does not
 fit) records it instead of raising: its peers are about to wait for it in the
 step's all-reduce, so it must join. It writes an error *code* (the kind of
 error, classified by exception type: :data:`ERROR_KINDS`) into its slot of the
-vector's ``error`` block, beside the fingerprints of its backend chain and of
-its declarations. After the reduction every rank reads three flags on the
-host, computed from those blocks on the device (how many ranks failed, do
-chains differ, do declarations differ; on a GPU through a pinned copy, never
-a host sync), and only when one is set the blocks themselves
-(``VectorLayout.HOST_READ``, W slots each). Then, in this order of precedence:
+vector's ``status`` block, packed with the fingerprints of its backend chain
+and of its declarations (``pack_status``: one exact float64 per rank). After
+the reduction every rank reads one flag on the host, computed from that block
+on the device (a rank failed, or two ranks' status differ; on a GPU through a
+pinned copy, never a host sync), and only when it is set the block itself
+(``VectorLayout.HOST_READ``, W slots), decoded on the host into each rank's
+code and fingerprints. Then, in this order of precedence:
 
 1. a failing rank raises its own error, with a note that its peers were told;
 2. ranks whose backend chains differ all raise (their collectives can
@@ -43,7 +44,7 @@ from shardscale.core._errors import (
     ShardscaleError,
 )
 from shardscale.core._host_copy import HostCopy
-from shardscale.core._step_vector import VectorLayout
+from shardscale.core._step_vector import VectorLayout, unpack_status
 
 if TYPE_CHECKING:
     from shardscale.core._protocols import CollectiveBackend
@@ -97,6 +98,8 @@ ERROR_KINDS: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], 
     ((TypeError, ValueError), "bad arguments to the step (see that rank's error)"),
 )
 _UNEXPECTED = "an unexpected error while reading gradients"
+# Codes are packed into 4 bits of a rank's status slot (VectorLayout's pack_status).
+assert len(ERROR_KINDS) + 1 < 16
 
 
 def error_code(exc: BaseException) -> int:
@@ -120,62 +123,65 @@ def fingerprint(text: str) -> float:
 
 
 class ErrorBlocks:
-    """The host's view of a reduced vector's ``HOST_READ`` blocks, started right after the reduce.
+    """The host's view of a reduced vector's ``status`` block, started right after the reduce.
 
     The same path on every device, and never a device-to-host sync. The
-    success path reads three numbers on the host, whatever the world size:
-    :attr:`flags`, computed on the device from the blocks (how many ranks
-    failed, whether the chain fingerprints differ, whether the declaration
-    fingerprints differ). The W-slot blocks themselves are turned into
-    Python numbers only when one of those is nonzero (:meth:`read`): at
-    10^5 ranks reading them on every step cost more host time than the rest
-    of the step (docs/benchmark.md, the scale table). On a GPU both are
-    copied into pinned host memory asynchronously, so the failure path needs
-    no second copy; elsewhere they are read where they are.
+    success path reads one flag on the host, whatever the world size,
+    computed on the device from the block (any rank failed, or ranks' chain
+    or declaration fingerprints differ: ``Summary.flag("status")``). The W
+    slots themselves are turned into Python numbers only when it is set
+    (:meth:`read`): at 10^5 ranks reading them on every step cost more host
+    time than the rest of the step (docs/benchmark.md, the scale table). On
+    a GPU both are copied into pinned host memory asynchronously, so the
+    failure path needs no second copy; elsewhere they are read where they are.
     """
 
-    __slots__ = ("_blocks", "_flags", "flags", "layout")
+    __slots__ = ("_at", "_blocks", "_flags", "_vector", "layout")
 
-    def __init__(self, vector: torch.Tensor, layout: VectorLayout) -> None:
+    def __init__(self, vector: torch.Tensor, layout: VectorLayout, flags: torch.Tensor) -> None:
+        """``flags``: the decision's flags (``Summary.flags``), whose ``status`` entry is read."""
         self.layout = layout
-        prints = [vector[layout.block(name)] for name in ("chain", "declarations")]
-        #: On the device: (failing ranks, chains differ, declarations differ), float64.
-        self.flags = torch.stack(
-            [(vector[layout.block("error")] != 0).sum().to(torch.float64)]
-            + [(p.amax() != p.amin()).to(torch.float64) for p in prints]
-        )
+        self._at = layout.PER_RANK.index("status")
         # Flags first, blocks second: once the blocks' copy has landed, so have the flags.
-        self._flags = HostCopy(self.flags)
-        self._blocks = HostCopy(vector[layout.host_read()])
+        self._flags = HostCopy(flags)
+        self._vector = vector
+        # Off an accelerator the block is read where it is, only on the failure path.
+        on_host = vector.device.type == "cpu"
+        self._blocks = None if on_host else HostCopy(vector[layout.host_read()])
 
     @property
     def on_device(self) -> bool:
         """Whether the copy is asynchronous (an accelerator's vector)."""
-        return self._blocks.on_device
+        return self._flags.on_device
 
     def arrived(self) -> bool:
         """Whether the copy is done (always, off the GPU)."""
-        return self._blocks.arrived()
+        return self._blocks is None or self._blocks.arrived()
 
-    def read_flags(self, *, wait: bool) -> tuple[int, bool, bool] | None:
-        """(failing ranks, chains differ, declarations differ), or None if not ``wait`` and the
-        copy is still on its way."""
+    def read_failed(self, *, wait: bool) -> bool | None:
+        """Whether a rank failed or ranks disagree; None if not ``wait`` and the copy is still on
+        its way."""
         got = self._flags.read(wait=wait)
-        if got is None:
-            return None
-        failing, chains, declarations = got
-        return int(failing), bool(chains), bool(declarations)
+        return None if got is None else bool(got[self._at])
 
     def read(self, *, wait: bool) -> dict[str, list[float]] | None:
-        """Each host-read block by name, or None if not ``wait`` and the copy is still on its way.
+        """The ``error``, ``chain`` and ``declarations`` of every rank, decoded from ``status``,
+        or None if not ``wait`` and the copy is still on its way.
 
-        W numbers per block: for the failure path (:meth:`read_flags` first).
+        W numbers per name: for the failure path (:meth:`read_failed` first).
         """
-        values = self._blocks.read(wait=wait)
+        if self._blocks is None:
+            values: list[float] | None = self._vector[self.layout.host_read()].tolist()
+        else:
+            values = self._blocks.read(wait=wait)
         if values is None:
             return None
-        w = self.layout.world
-        return {name: values[i * w : (i + 1) * w] for i, name in enumerate(self.layout.HOST_READ)}
+        decoded = [unpack_status(v) for v in values]
+        return {
+            "error": [float(code) for code, _, _ in decoded],
+            "chain": [chain for _, chain, _ in decoded],
+            "declarations": [declarations for _, _, declarations in decoded],
+        }
 
 
 def failing_ranks(blocks: dict[str, list[float]]) -> tuple[int, ...]:

@@ -11,7 +11,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-__all__ = ["VectorLayout"]
+__all__ = ["STATUS_ERROR_UNIT", "VectorLayout", "pack_status", "unpack_status"]
+
+#: A rank's ``status`` slot is ``code * 2**48 + chain * 2**24 + declarations``: an error code
+#: below 2**4 and two 24-bit fingerprints, < 2**52, so every value is an exact float64 integer
+#: and the SUM that moves it to every rank (each rank writes only its own slot) stays exact.
+_FINGERPRINT = 1 << 24
+STATUS_ERROR_UNIT = float(1 << 48)
+_CODES = 1 << 4
+
+
+def pack_status(code: int, chain: float, declarations: float) -> float:
+    """One rank's ``status`` value: its error code and its two 24-bit fingerprints."""
+    if not (0 <= code < _CODES and 0 <= chain < _FINGERPRINT and 0 <= declarations < _FINGERPRINT):
+        raise ValueError(f"status out of range: code={code}, chain={chain}, decl={declarations}")
+    return code * STATUS_ERROR_UNIT + float(chain) * _FINGERPRINT + float(declarations)
+
+
+def unpack_status(value: float) -> tuple[int, float, float]:
+    """(error code, chain fingerprint, declarations fingerprint) of a ``status`` value."""
+    packed = int(value)
+    return packed >> 48, float((packed >> 24) % _FINGERPRINT), float(packed % _FINGERPRINT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,9 +45,9 @@ class VectorLayout:
         "peak",  # M: max over its counted tensors of the tensor's p-norm (finite ones)
         "scaled_sum",  # S: sum_t (n_t / M_r)^p over the same tensors, each term <= 1
         "nonfinite",  # how many of its local gradients hold inf/nan, counted or not
-        "error",  # an error code (0: none; see _step_errors.ERROR_KINDS)
-        "chain",  # 24-bit fingerprint of its backend chain's names
-        "declarations",  # 24-bit fingerprint of what must agree (see [Note: declarations])
+        # Its error code (0: none; _step_errors.ERROR_KINDS) and the 24-bit fingerprints of its
+        # backend chain and of what must agree ([Note: declarations]), packed: pack_status.
+        "status",
     )
     #: One value every rank adds to.
     SHARED: ClassVar[tuple[str, ...]] = (
@@ -35,7 +55,7 @@ class VectorLayout:
         "loss_nonfinite",  # how many ranks observed a non-finite loss (0 where none is held)
     )
     #: The blocks read on the host after the reduction (contiguous: one copy).
-    HOST_READ: ClassVar[tuple[str, ...]] = ("error", "chain", "declarations")
+    HOST_READ: ClassVar[tuple[str, ...]] = ("status",)
 
     @property
     def size(self) -> int:

@@ -27,6 +27,7 @@ were finite at this scale, which is what the growth interval measures).
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import numbers
 from collections.abc import Mapping
@@ -44,7 +45,8 @@ __all__ = [
     "SpikeSkip",
     "SpikeWindow",
     "Verdict",
-    "decide",
+    "finish_verdict",
+    "skip_reason",
 ]
 
 
@@ -153,12 +155,13 @@ class SpikeWindow:
     before the first step).
     """
 
-    __slots__ = ("_host", "buffer", "count", "policy")
+    __slots__ = ("_host", "_slots", "buffer", "count", "policy")
 
     def __init__(self, policy: SpikeSkip) -> None:
         self.policy = policy
         self.buffer: torch.Tensor | None = None
         self.count: torch.Tensor | None = None
+        self._slots: torch.Tensor | None = None  # arange(window), for the held mask
         self._host: tuple[list[float], int] = ([], 0)
 
     def materialize(self, device: torch.device) -> None:
@@ -175,35 +178,50 @@ class SpikeWindow:
         self.count = torch.tensor(count, dtype=torch.int64, device=device)
 
     def is_spike(self, norm: torch.Tensor) -> torch.Tensor:
-        """Whether ``norm`` (0-dim, finite or not) is a spike: a 0-dim bool tensor, no host read."""
+        """Whether ``norm`` (0-dim, finite or not) is a spike: a 0-dim bool tensor, no host read.
+
+        The tests combine into one threshold (a norm above the smallest is above one of
+        them); every threshold is >= 0, so a non-finite norm, read as 0, is never a spike.
+        """
         assert self.buffer is not None and self.count is not None
         policy = self.policy
-        value = norm.to(torch.float64)
-        spike = torch.zeros((), dtype=torch.bool, device=value.device)
-        if policy.max_norm_abs is not None:
-            spike = spike | (value > policy.max_norm_abs)
+        value = norm if norm.dtype is torch.float64 else norm.to(torch.float64)
+        value = value.nan_to_num(0.0, 0.0, 0.0)
+        threshold: torch.Tensor | float = math.inf
         if policy.z is not None or policy.ratio is not None:
             size = policy.window
             held = self.count.clamp(max=size)
-            mask = torch.arange(size, device=value.device) < held
             n = held.to(torch.float64).clamp(min=1.0)
-            mean = (self.buffer * mask).sum() / n
-            armed = self.count >= policy.armed_after
+            # The ring fills slots 0, 1, ... first, so slots past ``held`` still hold zeros:
+            # the sum of the held norms is the buffer's sum.
+            mean = self.buffer.sum() / n
+            limits = []
             if policy.z is not None:
-                var = (((self.buffer - mean) * mask).square().sum()) / (n - 1.0).clamp(min=1.0)
-                spike = spike | (armed & (value > mean + policy.z * var.sqrt()))
+                if self._slots is None or self._slots.device != value.device:
+                    self._slots = torch.arange(size, device=value.device)
+                deviation = (self.buffer - mean) * (self._slots < held)
+                var = deviation.square().sum() / (n - 1.0).clamp(min=1.0)
+                limits.append(mean + policy.z * var.sqrt())
             if policy.ratio is not None:
-                spike = spike | (armed & (value > policy.ratio * mean))
-        return spike & torch.isfinite(value)
+                limits.append(policy.ratio * mean)
+            relative = limits[0] if len(limits) == 1 else torch.minimum(*limits)
+            # Relative tests wait for the warmup: until then their threshold is inf.
+            threshold = relative.masked_fill(self.count < policy.armed_after, math.inf)
+        if policy.max_norm_abs is not None:
+            if isinstance(threshold, torch.Tensor):
+                threshold = threshold.clamp(max=policy.max_norm_abs)
+            else:
+                threshold = policy.max_norm_abs
+        return value > threshold
 
     def accept(self, taken: torch.Tensor, norm: torch.Tensor) -> None:
         """Put ``norm`` in the window if the step was ``taken`` (device ops only)."""
         assert self.buffer is not None and self.count is not None
-        at = (self.count % self.policy.window).reshape(1)
-        old = self.buffer.gather(0, at)
-        new = torch.where(taken, norm.to(torch.float64).reshape(1), old)
-        self.buffer.scatter_(0, at, new)
-        self.count += taken.to(torch.int64)
+        # A 1-element index tensor: indexing with a 0-dim one would read it on the host.
+        at = self.count.remainder(self.policy.window).reshape(1)
+        value = norm if norm.dtype is torch.float64 else norm.to(torch.float64)
+        self.buffer.index_put_((at,), torch.where(taken, value, self.buffer.index_select(0, at)))
+        self.count += taken
 
     def state(self) -> tuple[list[float], int]:
         """The accepted norms held, oldest first, and how many were accepted (a host read)."""
@@ -255,32 +273,43 @@ class Verdict:
     spike: SpikeWindow | None = None
 
 
-def decide(
-    *,
-    error: torch.Tensor,
-    nonfinite: torch.Tensor,
-    loss_nonfinite: torch.Tensor,
-    norm: torch.Tensor | None,
-    verdict: Verdict | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's skip flag (float32 0/1, what optimizers test) and reason (int64), on the device.
+@functools.lru_cache(maxsize=32)
+def _weights(
+    names: tuple[str, ...], nonfinite: SkipReason, scaler: bool, device: torch.device
+) -> torch.Tensor:
+    reasons = {"nonfinite": nonfinite, "status": SkipReason.ERROR}
+    if scaler:  # a clip call alone does not skip for a loss it never saw
+        reasons["loss_nonfinite"] = SkipReason.LOSS
+    return torch.tensor([int(reasons.get(n, 0)) for n in names], dtype=torch.int64).to(device)
 
-    ``error``, ``nonfinite`` and ``loss_nonfinite`` are 0-dim bool tensors from
-    the reduced vector; ``norm`` the step's global norm (None: no spike test).
+
+def skip_reason(
+    flags: torch.Tensor, names: tuple[str, ...], verdict: Verdict | None, *, out: torch.Tensor
+) -> torch.Tensor:
+    """Every reason but a spike, into ``out`` (0-dim int64): two device ops, no host read.
+
+    ``flags`` are the reduced vector's (``_step_arith.Summary``), one bool per
+    name: ``nonfinite`` (any rank held a non-finite gradient), ``status`` (a
+    rank failed or ranks disagree), ``loss_nonfinite``. Each maps to its
+    reason and the step's reason is the largest (see :class:`SkipReason`).
     Without a ``verdict`` (a clip call) only errors and non-finite gradients count.
     """
-    # In increasing precedence, each overrides the ones before.
-    reason: torch.Tensor | int = 0
-    kind = SkipReason.NONFINITE
-    if verdict is not None:
-        kind = verdict.nonfinite_reason
-        if verdict.spike is not None and norm is not None:
-            spike = verdict.spike.is_spike(norm).to(error.device)
-            reason = torch.where(spike, int(SkipReason.SPIKE), 0)
-        reason = torch.where(loss_nonfinite, int(SkipReason.LOSS), reason)
-    reason = torch.where(nonfinite, int(kind), reason)
-    reason = torch.where(error, int(SkipReason.ERROR), reason)
-    return (reason > 0).to(torch.float32), reason
+    kind = verdict.nonfinite_reason if verdict is not None else SkipReason.NONFINITE
+    weights = _weights(names, kind, verdict is not None, flags.device)
+    return torch.amax(flags * weights, dim=0, out=out)
+
+
+def finish_verdict(
+    reason: torch.Tensor, skip: torch.Tensor, *, norm: torch.Tensor | None, verdict: Verdict | None
+) -> None:
+    """Add the spike test to ``reason`` (in place) and set ``skip`` (float32 0/1, what
+    optimizers test) from it; ``norm`` is the step's global norm (None: no spike test)."""
+    if verdict is not None and verdict.spike is not None and norm is not None:
+        spike = verdict.spike.is_spike(norm)
+        if spike.device != reason.device:
+            spike = spike.to(reason.device)
+        torch.maximum(reason, spike, out=reason)
+    torch.gt(reason, 0, out=skip)
 
 
 class SkipStreak:

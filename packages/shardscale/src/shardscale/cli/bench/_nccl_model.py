@@ -139,6 +139,6 @@ def allreduce_us(nbytes: int, ranks: int, fabric: Fabric | None = None) -> Model
 
 if __name__ == "__main__":  # pragma: no cover - a quick look: python -m ...
     for w in (1024, 16384, 65536, 131072):
-        for n in (8, 8 * (6 * w + 1)):
+        for n in (8, 8 * (4 * w + 2)):
             t = allreduce_us(n, w)
             print(w, n, f"{t.us:.1f}", t.algo, t.proto, f"log2={math.log2(n):.1f}")
