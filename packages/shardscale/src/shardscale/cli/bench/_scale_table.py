@@ -26,8 +26,6 @@ __all__ = ["DEFAULT_WORLDS", "ScaleRow", "format_scale_markdown", "run_scale_tab
 
 #: 1 024 to 131 072 ranks, doubling.
 DEFAULT_WORLDS = tuple(1024 * 2**k for k in range(8))
-#: The old design's size, for comparison: 6 per-rank blocks and one shared value.
-PER_RANK_BLOCKS = 6
 
 
 @dataclass(frozen=True, slots=True)
