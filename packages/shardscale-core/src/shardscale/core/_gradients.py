@@ -19,7 +19,7 @@ from shardscale.core._protocols import AdapterContext
 if TYPE_CHECKING:
     from shardscale.core._registry import Registry
 
-__all__ = ["GradBuckets", "collect_grads", "optimizer_params"]
+__all__ = ["GradBuckets", "Traced", "collect_grads", "optimizer_params"]
 
 _Key = tuple[torch.device, torch.dtype]
 
@@ -60,6 +60,12 @@ class GradBuckets:
         return list(seen)
 
 
+#: How one local tensor was found, for the step plan (``_step_plan``) to learn from: its
+#: parameter's position in the list walked, the local tensor, and whether the adapter promised
+#: a stable answer (``stable_layout = True``).
+Traced = tuple[int, torch.Tensor, bool]
+
+
 def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
     """Every parameter of every param group of ``optimizer``."""
     for group in optimizer.param_groups:
@@ -74,6 +80,7 @@ def collect_grads(
     group_ranks: tuple[int, ...] | None,
     coalesce_sparse: bool = True,
     as_grads: bool = False,
+    trace: list[Traced] | None = None,
 ) -> GradBuckets:
     """Describe each parameter's gradient through its adapter and bucket the local data.
 
@@ -84,10 +91,11 @@ def collect_grads(
     With ``as_grads=True`` each item is itself a gradient (``get_total_norm``
     takes gradients, not parameters) and is described by the adapter that
     claims its type; sparse ones are then coalesced without being stored back.
+    ``trace``, when given, receives a ``Traced`` tuple per local tensor, in order.
     """
     buckets = GradBuckets()
     allowed = frozenset(group_ranks) if group_ranks is not None else None
-    for param in params:
+    for position, param in enumerate(params):
         if not isinstance(param, torch.Tensor):
             raise TypeError(
                 f"expected parameters to be tensors, got {type(param).__name__}; pass "
@@ -103,8 +111,11 @@ def collect_grads(
                     param.grad = grad
             local = grad._values()
             counts = ctx.rank == 0 or "*" in ctx.distinct_dims or id(param) in ctx.distinct_params
+            stable = False
         else:
-            shard = registry.adapter_for(param).describe(param, grad, ctx)
+            adapter = registry.adapter_for(param)
+            stable = getattr(type(adapter), "stable_layout", False) is True
+            shard = adapter.describe(param, grad, ctx)
             local, counts = shard.local, shard.counts
             if shard.ranks is not None and allowed is not None and not shard.ranks <= allowed:
                 missing = sorted(shard.ranks - allowed)
@@ -127,4 +138,6 @@ def collect_grads(
         if counts:
             buckets.counted.setdefault(key, []).append(local)
         buckets.count += 1
+        if trace is not None:
+            trace.append((position, local, stable))
     return buckets

@@ -39,6 +39,8 @@ class DTensorAdapter:
 
     name: ClassVar[str] = "dtensor"
     priority: ClassVar[int] = DTENSOR_PRIORITY
+    #: Its answer depends only on the gradient's layout and the step's context (the step plan).
+    stable_layout: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._dtensor = _dtensor_type()
@@ -46,6 +48,10 @@ class DTensorAdapter:
     def claims(self, param: torch.Tensor) -> bool:
         """Any ``DTensor`` parameter (FSDP2 turns every managed parameter into one)."""
         return self._dtensor is not None and isinstance(param, self._dtensor)
+
+    def claims_type(self, kind: type) -> bool:
+        """Every parameter of a DTensor class, and none of another (the registry's shortcut)."""
+        return self._dtensor is not None and issubclass(kind, self._dtensor)
 
     def describe(self, param: torch.Tensor, grad: torch.Tensor, ctx: AdapterContext) -> GradShard:
         """The grad's local shard, whether this copy counts, and the mesh's ranks."""
