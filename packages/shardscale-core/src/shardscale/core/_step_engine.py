@@ -99,6 +99,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -553,8 +554,14 @@ def _group_ranks(config: StepConfig) -> tuple[int, ...] | None:
     return config.backend.group_ranks(config.group)
 
 
-def _coalesced(items: Iterable[torch.Tensor], *, as_grads: bool) -> list[torch.Tensor]:
+def _coalesced(items: list[torch.Tensor], *, as_grads: bool) -> list[torch.Tensor]:
     # A norm over uncoalesced sparse values counts duplicate indices separately.
+    try:
+        grads = items if as_grads else list(map(_GRAD, items))
+        if not any(g.is_sparse for g in grads if g is not None):
+            return items  # the common case: nothing sparse, nothing to copy
+    except AttributeError:
+        pass  # not tensors: collect_grads names the problem
     out = []
     for item in items:
         grad = item if as_grads else getattr(item, "grad", None)
@@ -625,6 +632,7 @@ def _check_devices(buckets: GradBuckets, scale: torch.Tensor | None, expect: str
 
 
 _PLAIN = PlainTensorAdapter()
+_GRAD = operator.attrgetter("grad")
 
 
 def _check_distinct_dims(buckets: GradBuckets, distinct: frozenset[str]) -> None:
