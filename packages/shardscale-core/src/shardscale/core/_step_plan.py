@@ -57,6 +57,7 @@ __all__ = [
     "StepPlan",
     "build_plan",
     "find_plan",
+    "plans_of",
     "remember_plan",
     "replicas_unchanged",
     "warm_buckets",
@@ -84,7 +85,7 @@ class _PlanBucket:
     counted_index: dict[torch.device, torch.Tensor] = field(default_factory=dict)
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, weakref_slot=True)
 class StepPlan:
     """The answers of one cold step's collect and check stages (see [Note: the step plan])."""
 
@@ -106,6 +107,8 @@ class StepPlan:
     replica_meta: list[tuple[torch.Size, torch.dtype]] = field(default_factory=list)
     replica_listing: str | None = None
     alive: bool = True
+    #: How many warm steps reused it.
+    uses: int = 0
     _refs: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
 
     def _died(self, _ref: object) -> None:
@@ -140,6 +143,12 @@ def _table(first: torch.Tensor) -> dict[Hashable, StepPlan] | None:
         return None
     table: dict[Hashable, StepPlan] = _plans[first]
     return table
+
+
+def plans_of(first: torch.Tensor) -> list[StepPlan]:
+    """The plans kept for steps whose first tensor is ``first`` (for tests and diagnostics)."""
+    table = _table(first)
+    return list(table.values()) if table is not None else []
 
 
 def find_plan(items: Sequence[torch.Tensor], key: Hashable, catalog: object) -> StepPlan | None:
@@ -291,6 +300,7 @@ def warm_buckets(
         elif any(bucket.counts):
             buckets.counted[key] = [t for t, c in zip(tensors, bucket.counts, strict=True) if c]
     buckets.count = len(local)
+    plan.uses += 1
     return buckets
 
 
