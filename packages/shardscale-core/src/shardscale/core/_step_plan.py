@@ -57,6 +57,7 @@ __all__ = [
     "StepPlan",
     "build_plan",
     "find_plan",
+    "forget_plans",
     "plans_of",
     "remember_plan",
     "replicas_unchanged",
@@ -149,6 +150,12 @@ def plans_of(first: torch.Tensor) -> list[StepPlan]:
     """The plans kept for steps whose first tensor is ``first`` (for tests and diagnostics)."""
     table = _table(first)
     return list(table.values()) if table is not None else []
+
+
+def forget_plans(first: torch.Tensor) -> None:
+    """Drop the plans kept for steps whose first tensor is ``first`` (the next step runs cold)."""
+    if first in _plans:
+        del _plans[first]
 
 
 def find_plan(items: Sequence[torch.Tensor], key: Hashable, catalog: object) -> StepPlan | None:
