@@ -151,9 +151,10 @@ def _point(cfg: HostConfig, count: int, mesh: Any, *, with_torch: bool) -> dict[
     out["ours_cold"] = summary(cold_ours)
     out["ours_cold_over_warm_derived"] = median(cold_ours) / median(warm["ours"])
     if with_torch:
-        kw = {"seed": cfg.seed, "resamples": cfg.resamples}
-        out["ratio"] = ratio_interval(warm["ours"], warm["torch"], **kw).as_dict()
-        out["aa"] = ratio_interval(warm["torch_aa"], warm["torch"], **kw).as_dict()
+        for name, arm in (("ratio", "ours"), ("aa", "torch_aa")):
+            out[name] = ratio_interval(
+                warm[arm], warm["torch"], seed=cfg.seed, resamples=cfg.resamples
+            ).as_dict()
     return out
 
 
