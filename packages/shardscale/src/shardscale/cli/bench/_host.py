@@ -17,12 +17,18 @@ a 1-D mesh of every rank (2 gloo ranks by default, 1 thread each):
   round; ratios of medians with paired bootstrap intervals (``_stats``);
 * **warm**: the same call again on one layout (the common step);
 * **cold**: the first call on a layout never seen before. Ours: on fresh
-  models (``cold_repeats`` of them, each with its own parameter size, so no
-  sample finds another's step plan). torch: the torch arm's first call, one
+  models (``cold_repeats`` of them, so no sample finds another's step plan).
+  torch: the torch arm's first call, one
   sample, reported apart: DTensor's sharding propagation of a foreach op over
   N DTensors grows about quadratically on its first call (pytorch#169445),
-  so points whose projected torch cold call would overrun ``torch_budget_s``
-  run ours alone.
+  torch runs up to ``torch_max`` (4 000) parameters and beyond only while
+  its projected cold calls fit ``torch_budget_s``; other points run ours
+  alone. Ours cold: fresh models stepped by a scaler that has stepped before
+  (a layout that changes mid-training), so the scaler's own first-step checks
+  are not charged to the layout;
+* ``clock``: ``wall`` (the default) or ``cpu``, each rank's process CPU time,
+  which a machine shared with other work disturbs less (the ratios are what
+  to compare across machines).
 """
 
 from __future__ import annotations
@@ -57,7 +63,9 @@ class HostConfig:
     param_numel: int = 9  # elements per parameter: 5 and 4 per rank, tiny
     rounds: int = 24  # warm rounds per point (each runs every arm once)
     cold_repeats: int = 3  # ours: first calls on fresh layouts per point
-    torch_budget_s: float = 240.0  # torch's cold calls, all points together
+    torch_max: int = 4000  # torch runs at every point up to this many parameters, and
+    torch_budget_s: float = 240.0  # beyond it while its projected cold calls fit this budget
+    clock: str = "wall"  # or "cpu": each rank's process CPU time (steadier on a loaded machine)
     world_size: int = 2
     max_norm: float = 1.0
     backend: str = "counting+c10d"
@@ -80,12 +88,16 @@ class HostConfig:
             raise ValueError(f"--cold-repeats must be >= 3, got {self.cold_repeats}")
         if not self.torch_budget_s >= 0 or not self.max_norm > 0:
             raise ValueError("--torch-budget must be >= 0 and --max-norm > 0")
+        if self.clock not in ("wall", "cpu"):
+            raise ValueError(f"--clock must be wall or cpu, got {self.clock!r}")
 
 
 class _Case:
     """One model, optimizer and scaler, with its gradients saved for restoring."""
 
-    def __init__(self, recipe: str, count: int, numel: int, mesh: Any, backend: str) -> None:
+    def __init__(
+        self, recipe: str, count: int, numel: int, mesh: Any, backend: str, scaler: Any = None
+    ) -> None:
         from torch.distributed.fsdp import fully_shard
 
         self.recipe = recipe
@@ -93,7 +105,7 @@ class _Case:
         fully_shard(self.model, mesh=mesh)
         self.params = list(self.model.parameters())
         self.opt = torch.optim.SGD(self.params, lr=0.0)
-        self.scaler: Any = make_scaler(recipe, "cpu", backend)
+        self.scaler: Any = scaler if scaler is not None else make_scaler(recipe, "cpu", backend)
         self.scaler.scale(self.model()).backward()
         self.saved = [local_tensor(p.grad).clone() for p in self.params if p.grad is not None]
 
@@ -101,12 +113,13 @@ class _Case:
         grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
         torch._foreach_copy_(grads, self.saved)
 
-    def timed(self, max_norm: float) -> float:
+    def timed(self, max_norm: float, clock: str = "wall") -> float:
         """Seconds before the optimizer on the slowest rank; ``update()`` untimed."""
         import torch.distributed as dist
 
+        now = time.process_time if clock == "cpu" else time.perf_counter
         dist.barrier()
-        start = time.perf_counter()
+        start = now()
         if self.recipe == "ours":
             from shardscale.clip import unscale_and_clip_
 
@@ -117,7 +130,7 @@ class _Case:
             full = getattr(norm, "full_tensor", None)
             norm = full() if full is not None else norm
         float(norm)  # reading the norm (logging it) is part of the work
-        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        took = torch.tensor([now() - start], dtype=torch.float64)
         self.scaler.update()
         dist.all_reduce(took, op=dist.ReduceOp.MAX)  # every rank decides on the same numbers
         return float(took.item())
@@ -125,25 +138,29 @@ class _Case:
 
 def _point(cfg: HostConfig, count: int, mesh: Any, *, with_torch: bool) -> dict[str, Any]:
     arms = _ARMS if with_torch else ("ours",)
-    # Ours cold: fresh layouts (odd sizes; torch's copies use param_numel, ours never does).
-    cold_ours = []
-    for k in range(cfg.cold_repeats):
-        fresh = _Case("ours", count, cfg.param_numel + 2 * k + 1, mesh, cfg.backend)
-        cold_ours.append(fresh.timed(cfg.max_norm))
-        del fresh
-    out: dict[str, Any] = {"n_params": count, "ours_cold_s": cold_ours}
+    clock = cfg.clock
+    out: dict[str, Any] = {"n_params": count}
     cases = {arm: _Case(arm, count, cfg.param_numel + (arm == "ours"), mesh, cfg.backend)
              for arm in arms}  # fmt: skip
     for arm, case in cases.items():
-        took = case.timed(cfg.max_norm)  # the first call on this layout: torch's is cold
+        took = case.timed(cfg.max_norm, clock)  # the first call on this layout: torch's is cold
         if arm == "torch":
             out["torch_cold_s"] = took
         case.restore()
+    # Ours cold: new layouts (fresh models) stepped by a scaler that has stepped before, as when
+    # parameters are frozen or added mid-training: the layout's cost, not the scaler's first step.
+    cold_ours = []
+    for k in range(cfg.cold_repeats):
+        fresh = _Case("ours", count, cfg.param_numel + 2 * k + 3, mesh, cfg.backend,
+                      scaler=cases["ours"].scaler)  # fmt: skip
+        cold_ours.append(fresh.timed(cfg.max_norm, clock))
+        del fresh
+    out["ours_cold_s"] = cold_ours
     warm: dict[str, list[float]] = {arm: [] for arm in arms}
     for order in balanced_order(len(arms), rounds_for(cfg.rounds, len(arms))):
         for index in order:
             arm = arms[index]
-            warm[arm].append(cases[arm].timed(cfg.max_norm))
+            warm[arm].append(cases[arm].timed(cfg.max_norm, clock))
             cases[arm].restore()
     out["warm_s"] = warm
     out["warm"] = {arm: summary(samples) for arm, samples in warm.items()}
@@ -195,7 +212,7 @@ def _worker(rank: int, cfg: HostConfig, store: str, result_path: str) -> None:
         last: tuple[int, float] | None = None
         for count in sorted(cfg.points):
             projected = 0.0 if last is None else last[1] * (count / last[0]) ** 2
-            with_torch = spent + projected <= cfg.torch_budget_s
+            with_torch = count <= cfg.torch_max or spent + projected <= cfg.torch_budget_s
             started = time.perf_counter()
             point = _point(cfg, count, mesh, with_torch=with_torch)
             if with_torch:
@@ -258,7 +275,8 @@ def format_host(result: dict[str, Any]) -> str:
     cfg, env = result["config"], result["environment"]
     lines = [
         f"Host work before the optimizer (unscale + clip + reading the norm), {cfg['param_numel']}"
-        f"-element FSDP2 parameters, {cfg['world_size']} gloo ranks x 1 thread, torch "
+        f"-element FSDP2 parameters, {cfg['world_size']} gloo ranks x 1 thread, "
+        f"{cfg.get('clock', 'wall')} clock, torch "
         f"{env['torch']}, {env['cpu_count']} CPUs (load {env['load_average_start']} at the "
         f"start); warm: medians of {cfg['rounds']}+ interleaved rounds, ratios with 95 % paired "
         f"bootstrap intervals; ours cold: min/median/max of {cfg['cold_repeats']} fresh layouts; "
@@ -301,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--cold-repeats", type=int, default=None)
     parser.add_argument("--torch-budget", type=float, default=None, help="seconds")
+    parser.add_argument("--torch-max", type=int, default=None, help="torch always runs up to")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default=None)
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 small points")
     parser.add_argument("--json", default=None, help="write the raw results here")
     parser.add_argument("--from-json", default=None, help="print the table of an earlier run")
@@ -315,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.points:
         fields["points"] = tuple(int(x) for x in args.points.split(","))
     for name, value in (("rounds", args.rounds), ("cold_repeats", args.cold_repeats),
-                        ("torch_budget_s", args.torch_budget)):  # fmt: skip
+                        ("torch_budget_s", args.torch_budget), ("torch_max", args.torch_max),
+                        ("clock", args.clock)):  # fmt: skip
         if value is not None:
             fields[name] = value
     cfg = HostConfig(**fields)
