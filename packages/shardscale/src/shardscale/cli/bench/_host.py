@@ -16,16 +16,17 @@ a 1-D mesh of every rank (2 gloo ranks by default, 1 thread each):
   floor) and ``ours``, interleaved in a balanced order (``_order``) round by
   round; ratios of medians with paired bootstrap intervals (``_stats``);
 * **warm**: the same call again on one layout (the common step);
-* **cold**: the first call on a layout never seen before. Ours: on fresh
-  models (``cold_repeats`` of them, so no sample finds another's step plan).
+* **cold**: the first call on a layout never seen before. Ours: the
+  parameter list rotated by 1, 2, 3 ... in an optimizer of its own
+  (``cold_repeats`` of them, so no sample finds another's step plan).
   torch: the torch arm's first call, one
   sample, reported apart: DTensor's sharding propagation of a foreach op over
   N DTensors grows about quadratically on its first call (pytorch#169445),
   torch runs up to ``torch_max`` (4 000) parameters and beyond only while
   its projected cold calls fit ``torch_budget_s``; other points run ours
-  alone. Ours cold: fresh models stepped by a scaler that has stepped before
-  (a layout that changes mid-training), so the scaler's own first-step checks
-  are not charged to the layout;
+  alone. Ours cold is stepped by a scaler that has stepped before (a layout
+  that changes mid-training), so the scaler's own first-step checks are not
+  charged to the layout;
 * ``clock``: ``wall`` (the default) or ``cpu``, each rank's process CPU time,
   which a machine shared with other work disturbs less (the ratios are what
   to compare across machines).
@@ -95,9 +96,7 @@ class HostConfig:
 class _Case:
     """One model, optimizer and scaler, with its gradients saved for restoring."""
 
-    def __init__(
-        self, recipe: str, count: int, numel: int, mesh: Any, backend: str, scaler: Any = None
-    ) -> None:
+    def __init__(self, recipe: str, count: int, numel: int, mesh: Any, backend: str) -> None:
         from torch.distributed.fsdp import fully_shard
 
         self.recipe = recipe
@@ -105,7 +104,7 @@ class _Case:
         fully_shard(self.model, mesh=mesh)
         self.params = list(self.model.parameters())
         self.opt = torch.optim.SGD(self.params, lr=0.0)
-        self.scaler: Any = scaler if scaler is not None else make_scaler(recipe, "cpu", backend)
+        self.scaler: Any = make_scaler(recipe, "cpu", backend)
         self.scaler.scale(self.model()).backward()
         self.saved = [local_tensor(p.grad).clone() for p in self.params if p.grad is not None]
 
@@ -113,19 +112,20 @@ class _Case:
         grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
         torch._foreach_copy_(grads, self.saved)
 
-    def timed(self, max_norm: float, clock: str = "wall") -> float:
+    def timed(self, max_norm: float, clock: str = "wall", opt: Any = None) -> float:
         """Seconds before the optimizer on the slowest rank; ``update()`` untimed."""
         import torch.distributed as dist
 
+        opt = self.opt if opt is None else opt
         now = time.process_time if clock == "cpu" else time.perf_counter
         dist.barrier()
         start = now()
         if self.recipe == "ours":
             from shardscale.clip import unscale_and_clip_
 
-            norm = unscale_and_clip_(self.scaler, self.opt, max_norm)
+            norm = unscale_and_clip_(self.scaler, opt, max_norm)
         else:
-            self.scaler.unscale_(self.opt)
+            self.scaler.unscale_(opt)
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
             full = getattr(norm, "full_tensor", None)
             norm = full() if full is not None else norm
@@ -147,14 +147,14 @@ def _point(cfg: HostConfig, count: int, mesh: Any, *, with_torch: bool) -> dict[
         if arm == "torch":
             out["torch_cold_s"] = took
         case.restore()
-    # Ours cold: new layouts (fresh models) stepped by a scaler that has stepped before, as when
-    # parameters are frozen or added mid-training: the layout's cost, not the scaler's first step.
-    cold_ours = []
+    # Ours cold: layouts never stepped before -- the parameter list rotated, in an optimizer of
+    # its own -- stepped by a scaler that has stepped before, as when parameters are frozen or
+    # added mid-training: the layout's cost, not the scaler's first step.
+    ours, cold_ours = cases["ours"], []
     for k in range(cfg.cold_repeats):
-        fresh = _Case("ours", count, cfg.param_numel + 2 * k + 3, mesh, cfg.backend,
-                      scaler=cases["ours"].scaler)  # fmt: skip
-        cold_ours.append(fresh.timed(cfg.max_norm, clock))
-        del fresh
+        rotated = ours.params[k + 1 :] + ours.params[: k + 1]
+        cold_ours.append(ours.timed(cfg.max_norm, clock, torch.optim.SGD(rotated, lr=0.0)))
+        ours.restore()
     out["ours_cold_s"] = cold_ours
     warm: dict[str, list[float]] = {arm: [] for arm in arms}
     for order in balanced_order(len(arms), rounds_for(cfg.rounds, len(arms))):
@@ -228,9 +228,8 @@ def _worker(rank: int, cfg: HostConfig, store: str, result_path: str) -> None:
             if rank == 0:
                 print(f"  {count} parameters: done in {point['elapsed_s']:.0f} s",
                       file=sys.stderr, flush=True)  # fmt: skip
-        if rank == 0:
-            with open(result_path, "w") as fh:
-                json.dump({"points": points, "growth": _growth(points, cfg)}, fh)
+                with open(result_path, "w") as fh:  # after every point: a cut run keeps its data
+                    json.dump({"points": points, "growth": _growth(points, cfg)}, fh)
     finally:
         dist.destroy_process_group()
     sys.stdout.flush()
