@@ -721,8 +721,16 @@ def _replica_positions(items: Sequence[torch.Tensor], config: StepConfig) -> lis
     if ALL_RANKS in config.distinct_dims:
         return []
     distinct = config.distinct_params
+    kinds = list(map(type, items))
+    never = {kind for kind in set(kinds) if _PLAIN.claims_type(kind) is False}
+    if len(never) == len(set(kinds)):
+        return []  # no plain tensor at all (an FSDP2 model): no walk
     # The step's tensors, with a gradient or not: a replica may lack one on some rank.
-    return [i for i, item in enumerate(items) if id(item) not in distinct and _PLAIN.claims(item)]
+    return [
+        i
+        for i, (item, kind) in enumerate(zip(items, kinds, strict=True))
+        if kind not in never and id(item) not in distinct and _PLAIN.claims(item)
+    ]
 
 
 def _replica_listing(items: Sequence[torch.Tensor], positions: Sequence[int]) -> str:

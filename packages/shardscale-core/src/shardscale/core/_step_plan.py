@@ -42,6 +42,7 @@ goes when the parameters go.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import weakref
 from collections.abc import Hashable, Sequence
@@ -195,28 +196,28 @@ def build_plan(
     """A plan from a cold step's buckets and trace; None when this layout cannot be planned."""
     if not items or len(traced) != buckets.count:
         return None
-    dtensor_type = _dtensor_type()
+    if not all(stable for _, _, stable in traced):
+        return None  # an adapter that did not promise a stable answer: always cold
+    present_positions = [position for position, _, _ in traced]
+    if any(a >= b for a, b in itertools.pairwise(present_positions)):
+        return None  # the same tensor twice, or an order the trace does not keep
+    locals_ = [local for _, local, _ in traced]
     grads: list[Any] = list(items) if as_grads else list(map(_GRAD, items))
-    present_positions: list[int] = []
-    dtensor: list[bool] = []
-    specs: list[Any] = []
-    slot: dict[int, int] = {}  # id(local tensor) -> position among present gradients
-    for position, local, stable in traced:
-        if not stable:
-            return None  # an adapter that did not promise a stable answer: always cold
-        grad = grads[position]
-        is_dt = dtensor_type is not None and isinstance(grad, dtensor_type)
-        if is_dt:
-            if local is not getattr(grad, "_local_tensor", None):
-                return None
-            specs.append(grad._spec)
-        elif local is not grad or grad.is_sparse:
-            return None
-        if present_positions and position <= present_positions[-1]:
-            return None  # the same tensor twice, or an order the trace does not keep
-        slot[id(local)] = len(present_positions)
-        present_positions.append(position)
-        dtensor.append(is_dt)
+    present = [grads[i] for i in present_positions]
+    dtensor_type = _dtensor_type()
+    kinds = {
+        kind: dtensor_type is not None and issubclass(kind, dtensor_type)
+        for kind in set(map(type, present))
+    }
+    dtensor = [kinds[type(g)] for g in present]
+    shards = [g for g, is_dt in zip(present, dtensor, strict=True) if is_dt]
+    plain = [g for g, is_dt in zip(present, dtensor, strict=True) if not is_dt]
+    # The plan takes locals directly: they must be what the adapters gave.
+    expected = [g._local_tensor if is_dt else g for g, is_dt in zip(present, dtensor, strict=True)]
+    if not all(map(operator.is_, locals_, expected)) or any(map(_SPARSE, plain)):
+        return None
+    specs = list(map(_SPEC, shards))
+    slot = dict(zip(map(id, locals_), range(len(locals_)), strict=True))
     plan_buckets: list[_PlanBucket] = []
     owner_refs: list[weakref.ref[torch.Tensor]] = []
     refs: list[weakref.ref[torch.Tensor]] = []
