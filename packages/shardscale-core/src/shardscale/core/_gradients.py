@@ -94,6 +94,7 @@ def collect_grads(
     ``trace``, when given, receives a ``Traced`` tuple per local tensor, in order.
     """
     buckets = GradBuckets()
+    stable_of: dict[int, bool] = {}  # id(adapter) -> stable_layout, asked once per step
     allowed = frozenset(group_ranks) if group_ranks is not None else None
     for position, param in enumerate(params):
         if not isinstance(param, torch.Tensor):
@@ -114,7 +115,12 @@ def collect_grads(
             stable = False
         else:
             adapter = registry.adapter_for(param)
-            stable = getattr(type(adapter), "stable_layout", False) is True
+            known = stable_of.get(id(adapter))
+            if known is None:
+                known = stable_of[id(adapter)] = (
+                    getattr(type(adapter), "stable_layout", False) is True
+                )
+            stable = known
             shard = adapter.describe(param, grad, ctx)
             local, counts = shard.local, shard.counts
             if shard.ranks is not None and allowed is not None and not shard.ranks <= allowed:

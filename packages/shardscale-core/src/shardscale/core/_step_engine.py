@@ -540,7 +540,7 @@ def _collect(items: list[torch.Tensor], config: StepConfig, request: StepRequest
 
 def _owners(local: _Local) -> list[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]]:
     """(parameter, local tensor) weak references in bucket order, for overflow localisation."""
-    if local.warm and local.plan is not None and local.error is None:
+    if local.plan is not None and local.error is None:  # warm, or built from these buckets
         tensors = [t for bucket in local.buckets.every.values() for t in bucket]
         return list(zip(local.plan.owner_refs, map(weakref.ref, tensors), strict=True))
     return [(weakref.ref(param), weakref.ref(t)) for param, t in local.buckets.owner_pairs()]
