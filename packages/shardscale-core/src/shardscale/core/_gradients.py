@@ -95,6 +95,7 @@ def collect_grads(
     """
     buckets = GradBuckets()
     stable_of: dict[int, bool] = {}  # id(adapter) -> stable_layout, asked once per step
+    by_key: dict[_Key, tuple[list[torch.Tensor], list[torch.Tensor], list[bool]]] = {}
     allowed = frozenset(group_ranks) if group_ranks is not None else None
     for position, param in enumerate(params):
         if not isinstance(param, torch.Tensor):
@@ -131,16 +132,23 @@ def collect_grads(
                     f"{sorted(allowed)} (missing {missing}). Pass process_group=... covering "
                     "every rank that holds these parameters (the default group usually does)."
                 )
-        if local.is_complex() or not local.is_floating_point():
+        if not local.dtype.is_floating_point:  # complex and integer dtypes alike
             raise GradientDtypeError(
                 f"gradients must be real floating point, got {local.dtype} for a parameter of "
                 f"shape {tuple(param.shape)}; mixed precision scaling and norm clipping only "
                 "apply to float16/bfloat16/float32/float64 parameters"
             )
         key = (local.device, local.dtype)
-        buckets.every.setdefault(key, []).append(local)
-        buckets.owners.setdefault(key, []).append(param)
-        buckets.counts_mask.setdefault(key, []).append(bool(counts))
+        lists = by_key.get(key)
+        if lists is None:
+            lists = by_key[key] = (
+                buckets.every.setdefault(key, []),
+                buckets.owners.setdefault(key, []),
+                buckets.counts_mask.setdefault(key, []),
+            )
+        lists[0].append(local)
+        lists[1].append(param)
+        lists[2].append(bool(counts))
         if counts:
             buckets.counted.setdefault(key, []).append(local)
         buckets.count += 1
