@@ -47,7 +47,7 @@ class BlasDotKernels(ForeachKernels):
         self, tensors: Sequence[torch.Tensor], norm_type: float, dtype: torch.dtype
     ) -> list[torch.Tensor]:
         """‖g‖₂ as the root of a BLAS dot product for float32/float64 on the CPU, else as foreach."""
-        if norm_type != 2.0 or any(t.dtype not in _DOT_DTYPES for t in tensors):
+        if norm_type != 2.0 or tensors[0].dtype not in _DOT_DTYPES:  # one dtype per list
             return super()._tensor_norms(tensors, norm_type, dtype)
         large = [t.numel() >= _DOT_MIN_NUMEL for t in tensors]
         if not any(large):

@@ -51,7 +51,8 @@ class ForeachKernels:
         if not tensors:
             return torch.zeros(0, dtype=torch.float32)
         device = tensors[0].device
-        acc = torch.float64 if any(t.dtype is torch.float64 for t in tensors) else torch.float32
+        # One dtype per list (StatsKernels' contract): no walk over the tensors to find it.
+        acc = torch.float64 if tensors[0].dtype is torch.float64 else torch.float32
         numels = [t.numel() for t in tensors]
         small = [i for i, n in enumerate(numels) if n <= _SEGMENT_NUMEL]
         if len(small) >= _SEGMENT_MIN_COUNT:

@@ -843,7 +843,7 @@ def _tensor_norms(kernels: Any, tensors: Sequence[torch.Tensor], p: float) -> to
         safe: torch.Tensor = kernels.tensor_norms(tensors, p)
         return safe
     if p in (1.0, 2.0) or math.isinf(p):
-        if any(t.dtype is torch.float64 for t in tensors) and p == 2.0:
+        if p == 2.0 and tensors and tensors[0].dtype is torch.float64:  # one dtype per bucket
             return _normalised_norms(kernels, tensors, p)
         norms: torch.Tensor = kernels.tensor_norms(tensors, p)
         return norms
