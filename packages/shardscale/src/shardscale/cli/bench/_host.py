@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -211,7 +212,8 @@ def _worker(rank: int, cfg: HostConfig, store: str, result_path: str) -> None:
         spent = 0.0  # on torch's cold calls, the same on every rank (reduced samples)
         last: tuple[int, float] | None = None
         for count in sorted(cfg.points):
-            projected = 0.0 if last is None else last[1] * (count / last[0]) ** 2
+            # Beyond torch_max, torch runs only on a projection from a point it ran.
+            projected = math.inf if last is None else last[1] * (count / last[0]) ** 2
             with_torch = count <= cfg.torch_max or spent + projected <= cfg.torch_budget_s
             started = time.perf_counter()
             point = _point(cfg, count, mesh, with_torch=with_torch)
@@ -221,7 +223,9 @@ def _worker(rank: int, cfg: HostConfig, store: str, result_path: str) -> None:
             else:
                 point["torch_skipped"] = (
                     f"torch's cold call projected at {projected:.0f} s (quadratic from "
-                    f"{last[0] if last else '?'}), over the {cfg.torch_budget_s:.0f} s budget"
+                    f"{last[0]}), over the {cfg.torch_budget_s:.0f} s budget"
+                    if last is not None
+                    else f"above --torch-max {cfg.torch_max} with no smaller point to project from"
                 )
             point["elapsed_s"] = time.perf_counter() - started
             points.append(point)
