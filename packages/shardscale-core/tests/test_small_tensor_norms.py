@@ -14,6 +14,7 @@ import torch
 
 from shardscale.core import ForeachKernels
 from shardscale.core._blas_kernels import BlasDotKernels
+from shardscale.core._loop_kernels import LoopKernels
 
 
 def _tensors(dtype: torch.dtype) -> list[torch.Tensor]:
@@ -22,7 +23,7 @@ def _tensors(dtype: torch.dtype) -> list[torch.Tensor]:
     return [(torch.randn(n, generator=gen) * 3).to(dtype) for n in sizes]
 
 
-@pytest.mark.parametrize("kernels", [ForeachKernels(), BlasDotKernels()])
+@pytest.mark.parametrize("kernels", [ForeachKernels(), BlasDotKernels(), LoopKernels()])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
 @pytest.mark.parametrize("p", [1.0, 2.0, 3.0, math.inf])
 def test_many_small_tensors_read_together_give_each_norm(
@@ -48,3 +49,16 @@ def test_a_non_finite_small_tensor_reads_non_finite_and_only_it(bad: float, p: f
     finite = torch.isfinite(got).tolist()
     assert finite == [i != 3 for i in range(len(tensors))]
     assert math.isnan(got[3]) if math.isnan(bad) else got[3] == math.inf
+
+
+def test_the_loop_kernels_still_read_one_tensor_at_a_time() -> None:
+    calls: list[int] = []
+
+    class _Counting(LoopKernels):
+        def _tensor_norms(self, tensors: object, norm_type: float, dtype: torch.dtype) -> object:
+            calls.append(len(tensors))  # type: ignore[arg-type]
+            return super()._tensor_norms(tensors, norm_type, dtype)  # type: ignore[arg-type]
+
+    tensors = [t for t in _tensors(torch.float32) if t.numel()]
+    _Counting().tensor_norms(tensors, 2.0)
+    assert calls == [len(tensors)]  # every tensor through the per-tensor path

@@ -28,6 +28,8 @@ class ForeachKernels:
 
     name: ClassVar[str] = "foreach"
     priority: ClassVar[int] = 0
+    #: Read many small tensors together (see ``_SEGMENT_NUMEL``); ``loop`` reads one at a time.
+    segment_small: ClassVar[bool] = True
 
     def supports(self, device: torch.device) -> bool:
         """Foreach ops run on every device torch supports."""
@@ -55,7 +57,7 @@ class ForeachKernels:
         acc = torch.float64 if tensors[0].dtype is torch.float64 else torch.float32
         numels = [t.numel() for t in tensors]
         small = [i for i, n in enumerate(numels) if n <= _SEGMENT_NUMEL]
-        if len(small) >= _SEGMENT_MIN_COUNT:
+        if self.segment_small and len(small) >= _SEGMENT_MIN_COUNT:
             if len(small) == len(tensors):
                 return _segment_norms(tensors, numels, norm_type, acc)
             large = [i for i, n in enumerate(numels) if n > _SEGMENT_NUMEL]
