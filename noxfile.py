@@ -203,6 +203,26 @@ def bench_scale(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def bench_host(session: nox.Session) -> None:
+    """The host table: work before the optimizer vs 500 -> 20 000 tiny FSDP2 parameters.
+
+    2 gloo ranks x 1 thread: torch's unscale_ + clip_grad_norm_, torch again (A/A) and
+    unscale_and_clip_, each reading the norm, interleaved; warm and cold (first call on a new
+    layout; torch's only while its projected cost fits --torch-budget, 240 s). About ten
+    minutes on 2 cores. Writes .nox/bench_host/host.json; ``-- --quick`` is a smoke run,
+    ``-- --from-json FILE`` prints an earlier run's table (see docs/benchmark.md).
+    """
+    _install_torch(session, os.environ.get("SHARDSCALE_TORCH", DEFAULT_TORCH))
+    session.install(*_package_dirs(frameworks=False))
+    args = list(session.posargs)
+    if "--from-json" not in args and not any(a.startswith("--json") for a in args):
+        out = ROOT / ".nox" / "bench_host"
+        out.mkdir(parents=True, exist_ok=True)
+        args += ["--json", str(out / "host.json")]
+    session.run("python", "-m", "shardscale.cli.bench._host", *args)
+
+
+@nox.session(python=PYTHON)
 def stress(session: nox.Session) -> None:
     """Long randomized runs: the 4-rank overflow fuzz for hundreds of steps and thousands of
     random scaler call sequences (the tests session runs short versions of both)."""

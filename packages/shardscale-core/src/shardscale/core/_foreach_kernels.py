@@ -10,6 +10,13 @@ import torch
 
 __all__ = ["ForeachKernels"]
 
+#: Tensors up to this many elements are read together when there are at least
+#: ``_SEGMENT_MIN_COUNT`` of them: one copy into a flat buffer and one segmented reduction,
+#: instead of a norm kernel and a 0-dim result tensor per tensor (a few µs each on the host,
+#: which is what a step over thousands of small parameters costs; see docs/step-engine.md).
+_SEGMENT_NUMEL = 1 << 12
+_SEGMENT_MIN_COUNT = 8
+
 
 class ForeachKernels:
     """Default kernels built on ``torch._foreach_*`` and torch's AMP unscale kernel.
@@ -21,6 +28,8 @@ class ForeachKernels:
 
     name: ClassVar[str] = "foreach"
     priority: ClassVar[int] = 0
+    #: Read many small tensors together (see ``_SEGMENT_NUMEL``); ``loop`` reads one at a time.
+    segment_small: ClassVar[bool] = True
 
     def supports(self, device: torch.device) -> bool:
         """Foreach ops run on every device torch supports."""
@@ -44,8 +53,22 @@ class ForeachKernels:
         if not tensors:
             return torch.zeros(0, dtype=torch.float32)
         device = tensors[0].device
-        acc = torch.float64 if any(t.dtype is torch.float64 for t in tensors) else torch.float32
-        nonempty = [i for i, t in enumerate(tensors) if t.numel()]
+        # One dtype per list (StatsKernels' contract): no walk over the tensors to find it.
+        acc = torch.float64 if tensors[0].dtype is torch.float64 else torch.float32
+        numels = [t.numel() for t in tensors]
+        small = [i for i, n in enumerate(numels) if n <= _SEGMENT_NUMEL]
+        if self.segment_small and len(small) >= _SEGMENT_MIN_COUNT:
+            if len(small) == len(tensors):
+                return _segment_norms(tensors, numels, norm_type, acc)
+            large = [i for i, n in enumerate(numels) if n > _SEGMENT_NUMEL]
+            out = torch.empty(len(tensors), dtype=acc, device=device)
+            out[torch.tensor(small, device=device)] = _segment_norms(
+                [tensors[i] for i in small], [numels[i] for i in small], norm_type, acc
+            )
+            big = self._norm_vector([tensors[i] for i in large], norm_type, acc)
+            out[torch.tensor(large, device=device)] = big
+            return out
+        nonempty = [i for i, n in enumerate(numels) if n]
         if len(nonempty) == len(tensors):
             return self._norm_vector(tensors, norm_type, acc)
         out = torch.zeros(len(tensors), dtype=acc, device=device)
@@ -76,3 +99,24 @@ class ForeachKernels:
         """Multiply every tensor in place by the 0-dim ``coef``."""
         if tensors:
             torch._foreach_mul_(list(tensors), coef.to(tensors[0].device))
+
+
+def _segment_norms(
+    tensors: Sequence[torch.Tensor], numels: Sequence[int], norm_type: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """Each small tensor's p-norm in ``dtype`` from one flat copy (0 for an empty tensor).
+
+    inf and nan survive the sums and the max, so the overflow check still rides on this read.
+    """
+    # One C++ cat of the flattened tensors (torch's own helper, untyped).
+    flat = torch._utils._flatten_dense_tensors(list(tensors))  # type: ignore[no-untyped-call]
+    flat = flat.to(dtype).abs_()
+    lengths = torch.tensor(list(numels), dtype=torch.long, device=flat.device)
+    if math.isinf(norm_type):
+        return torch.segment_reduce(flat, "max", lengths=lengths, unsafe=True, initial=0.0)
+    if norm_type == 1.0:
+        return torch.segment_reduce(flat, "sum", lengths=lengths, unsafe=True)
+    if norm_type == 2.0:
+        return torch.segment_reduce(flat.mul_(flat), "sum", lengths=lengths, unsafe=True).sqrt_()
+    powered = flat.pow_(norm_type)
+    return torch.segment_reduce(powered, "sum", lengths=lengths, unsafe=True).pow_(1.0 / norm_type)

@@ -20,7 +20,7 @@ from shardscale.core._protocols import AdapterContext
 if TYPE_CHECKING:
     from shardscale.core._registry import Registry
 
-__all__ = ["GradBuckets", "collect_grads", "optimizer_params"]
+__all__ = ["GradBuckets", "Traced", "collect_grads", "optimizer_params"]
 
 _Key = tuple[torch.device, torch.dtype]
 
@@ -61,6 +61,12 @@ class GradBuckets:
         return list(seen)
 
 
+#: How one local tensor was found, for the step plan (``_step_plan``) to learn from: its
+#: parameter's position in the list walked, the local tensor, and whether the adapter promised
+#: a stable answer (``stable_layout = True``).
+Traced = tuple[int, torch.Tensor, bool]
+
+
 def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
     """Every parameter of every param group of ``optimizer``."""
     for group in optimizer.param_groups:
@@ -99,6 +105,7 @@ def collect_grads(
     group_ranks: tuple[int, ...] | None,
     coalesce_sparse: bool = True,
     as_grads: bool = False,
+    trace: list[Traced] | None = None,
 ) -> GradBuckets:
     """Describe each parameter's gradient through its adapter and bucket the local data.
 
@@ -109,9 +116,12 @@ def collect_grads(
     With ``as_grads=True`` each item is itself a gradient (``get_total_norm``
     takes gradients, not parameters) and is described by the adapter that
     claims its type; sparse ones are then coalesced without being stored back.
+    ``trace``, when given, receives a ``Traced`` tuple per local tensor, in order.
     """
     buckets = GradBuckets()
-    for param in params:
+    stable_of: dict[int, bool] = {}  # id(adapter) -> stable_layout, asked once per step
+    by_key: dict[_Key, tuple[list[torch.Tensor], list[torch.Tensor], list[bool]]] = {}
+    for position, param in enumerate(params):
         if not isinstance(param, torch.Tensor):
             raise TypeError(
                 f"expected parameters to be tensors, got {type(param).__name__}; pass "
@@ -127,8 +137,16 @@ def collect_grads(
                     param.grad = grad
             local = grad._values()
             counts = ctx.rank == 0 or "*" in ctx.distinct_dims or id(param) in ctx.distinct_params
+            stable = False
         else:
-            shard = registry.adapter_for(param).describe(param, grad, ctx)
+            adapter = registry.adapter_for(param)
+            known = stable_of.get(id(adapter))
+            if known is None:
+                known = stable_of[id(adapter)] = (
+                    getattr(type(adapter), "stable_layout", False) is True
+                )
+            stable = known
+            shard = adapter.describe(param, grad, ctx)
             local, counts = shard.local, shard.counts
             if (
                 shard.ranks is not None
@@ -143,17 +161,26 @@ def collect_grads(
                     f"{sorted(allowed)} (missing {missing}). Pass process_group=... covering "
                     "every rank that holds these parameters (the default group usually does)."
                 )
-        if local.is_complex() or not local.is_floating_point():
+        if not local.dtype.is_floating_point:  # complex and integer dtypes alike
             raise GradientDtypeError(
                 f"gradients must be real floating point, got {local.dtype} for a parameter of "
                 f"shape {tuple(param.shape)}; mixed precision scaling and norm clipping only "
                 "apply to float16/bfloat16/float32/float64 parameters"
             )
         key = (local.device, local.dtype)
-        buckets.every.setdefault(key, []).append(local)
-        buckets.owners.setdefault(key, []).append(param)
-        buckets.counts_mask.setdefault(key, []).append(bool(counts))
+        lists = by_key.get(key)
+        if lists is None:
+            lists = by_key[key] = (
+                buckets.every.setdefault(key, []),
+                buckets.owners.setdefault(key, []),
+                buckets.counts_mask.setdefault(key, []),
+            )
+        lists[0].append(local)
+        lists[1].append(param)
+        lists[2].append(bool(counts))
         if counts:
             buckets.counted.setdefault(key, []).append(local)
         buckets.count += 1
+        if trace is not None:
+            trace.append((position, local, stable))
     return buckets

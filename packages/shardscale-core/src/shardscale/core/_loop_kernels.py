@@ -22,6 +22,7 @@ class LoopKernels(ForeachKernels):
 
     name: ClassVar[str] = "loop"
     priority: ClassVar[int] = -10
+    segment_small: ClassVar[bool] = False  # one tensor at a time, as foreach=False asks
 
     def unscale_and_check_(
         self, tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor

@@ -30,6 +30,8 @@ class PlainTensorAdapter:
 
     name: ClassVar[str] = "plain"
     priority: ClassVar[int] = 0
+    #: Its answer depends only on the gradient's class and the step's context (the step plan).
+    stable_layout: ClassVar[bool] = True
 
     def claims(self, param: torch.Tensor) -> bool:
         """Plain tensors (exact ``torch.Tensor`` or ``nn.Parameter``), not subclasses like DTensor.
@@ -40,9 +42,17 @@ class PlainTensorAdapter:
         """
         if is_fsdp1_param(param):
             return False
+        # issubclass, not isinstance: a DTensor parameter passes isinstance(Parameter) and its
+        # .data is a DTensor dispatch per call (the hot part of a step with many parameters).
         return type(param) in (torch.Tensor, torch.nn.Parameter) or (
-            isinstance(param, torch.nn.Parameter) and type(param.data) is torch.Tensor
+            issubclass(type(param), torch.nn.Parameter) and type(param.data) is torch.Tensor
         )
+
+    def claims_type(self, kind: type) -> bool | None:
+        """False for classes it never claims; None where the parameter itself decides."""
+        if kind in (torch.Tensor, torch.nn.Parameter) or issubclass(kind, torch.nn.Parameter):
+            return None  # FSDP1's marks, or a Parameter subclass's .data, decide
+        return False
 
     def describe(self, param: torch.Tensor, grad: torch.Tensor, ctx: AdapterContext) -> GradShard:
         """The grad itself; counted on group rank 0 unless declared distinct on every rank."""

@@ -153,6 +153,9 @@ class _Catalog:
     # id(adapter item) -> the other adapters of the same priority (empty almost always).
     adapter_rivals: dict[int, list[_Item]] = field(default_factory=dict)
     kernels_by_device: dict[str, Any] = field(default_factory=dict)
+    # type(param) -> its adapter, where every adapter answered by type (``claims_type``);
+    # None: some adapter must look at the parameter itself.
+    adapter_by_type: dict[type, Any] = field(default_factory=dict)
 
 
 def _unavailable_reason(obj: Any) -> str | None:
@@ -591,6 +594,14 @@ class Registry:
     def _claims(self, it: _Item, param: torch.Tensor) -> bool:
         return self._ask(it, "claims", param)
 
+    def catalog_token(self) -> object:
+        """An object that stays the same until a plugin is registered, removed or set aside.
+
+        The step plan (``_step_plan``) keeps which adapter owns each gradient
+        only as long as this token is the same.
+        """
+        return self._collect()
+
     def adapter_for(self, param: torch.Tensor) -> GradAdapter:
         """The adapter that describes ``param``'s gradient."""
         # Called once per parameter per step: read the ranked list without the lock when ready.
@@ -599,6 +610,13 @@ class Registry:
             ranked, rivals = catalog.adapters_ranked, catalog.adapter_rivals
         else:
             ranked, rivals = self._ranked_adapters()
+            catalog = self._collect()
+        kind = type(param)
+        if kind not in catalog.adapter_by_type:
+            catalog.adapter_by_type[kind] = self._adapter_by_type(ranked, rivals, kind)
+        by_type: GradAdapter | None = catalog.adapter_by_type[kind]
+        if by_type is not None:
+            return by_type
         for it in ranked:
             if not self._claims(it, param):
                 continue
@@ -630,6 +648,30 @@ class Registry:
             f"adapters: {installed}. DTensor, FSDP1 and DDP parameters need "
             "'pip install shardscale-fsdp'." + self._failures_hint()
         )
+
+    def _adapter_by_type(
+        self, ranked: list[_Item], rivals: dict[int, list[_Item]], kind: type
+    ) -> GradAdapter | None:
+        """The adapter of every parameter of class ``kind``, when each adapter can say by class.
+
+        Adapters may answer ``claims_type(kind)``: True (claims every
+        parameter of that class), False (none), None (it depends on the
+        parameter). With thousands of parameters of one class (FSDP2's
+        DTensors) this spares a ``claims`` call per adapter per parameter.
+        """
+        for it in ranked:
+            probe = getattr(it.obj, "claims_type", None)
+            try:
+                answer = probe(kind) if probe is not None else None
+            except Exception:
+                return None  # the per-parameter path asks claims() and sets a broken one aside
+            if answer is not True and answer is not False:
+                return None
+            if answer:
+                # Equal-priority rivals are reported by the per-parameter path.
+                found: GradAdapter | None = None if rivals.get(id(it)) else it.obj
+                return found
+        return None
 
     def _supports(self, it: _Item, device: torch.device) -> bool:
         return self._ask(it, "supports", device)

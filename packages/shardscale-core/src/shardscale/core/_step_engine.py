@@ -122,6 +122,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -133,7 +134,7 @@ import torch
 from shardscale.core._aliasing import check_no_aliased_grads
 from shardscale.core._contract import ALL_RANKS, check_max_norm, check_norm_type
 from shardscale.core._errors import DeclarationError
-from shardscale.core._gradients import GradBuckets, collect_grads
+from shardscale.core._gradients import GradBuckets, Traced, collect_grads
 from shardscale.core._plain_adapter import PlainTensorAdapter
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, Handle, ReduceOp
 from shardscale.core._step_arith import TINY64, fill_local, summarize
@@ -150,6 +151,14 @@ from shardscale.core._step_errors import (
     raise_pending_errors,
     raise_step_errors,
     verify_same_chain,
+)
+from shardscale.core._step_plan import (
+    StepPlan,
+    build_plan,
+    find_plan,
+    remember_plan,
+    replicas_unchanged,
+    warm_buckets,
 )
 from shardscale.core._step_vector import VectorLayout, pack_status
 from shardscale.core._verdict import SkipReason, Verdict, finish_verdict, skip_reason
@@ -471,9 +480,7 @@ def run_step(
         result, handle = _reduce(
             local, reading, config, device=device, loss_nonfinite=request.loss_nonfinite
         )
-        result.owners = [
-            (weakref.ref(param), weakref.ref(t)) for param, t in local.buckets.owner_pairs()
-        ]
+        result.owners = _owners(local)
 
         def complete() -> None:
             _wait(handle)
@@ -510,6 +517,11 @@ class _Local:
     kernels: dict[torch.device, Any] = field(default_factory=dict)
     #: What this rank declared (see [Note: declarations]).
     declarations: str = ""
+    #: The step plan in use (see [Note: the step plan]); ``warm``: the buckets came from it.
+    plan: StepPlan | None = None
+    warm: bool = False
+    #: A cold step's key, catalog and trace, to build a plan from once the checks pass.
+    seed: tuple[Any, object, list[Traced]] | None = None
 
     def record(self, exc: BaseException) -> None:
         """Keep the first error; the step goes on with nothing to read."""
@@ -530,6 +542,24 @@ def _collect(items: list[torch.Tensor], config: StepConfig, request: StepRequest
         world=config.backend.world_size(config.group),
     )
     try:
+        group_ranks = _group_ranks(config)
+        key = (
+            request.as_grads,
+            id(config.group),
+            group_ranks,
+            local.rank,
+            local.world,
+            config.distinct_dims,
+            config.distinct_params,
+        )
+        catalog = config.registry.catalog_token()
+        plan = find_plan(items, key, catalog)
+        if plan is not None:
+            warm = warm_buckets(plan, items, as_grads=request.as_grads)
+            if warm is not None:
+                local.buckets, local.plan, local.warm = warm, plan, True
+                return local
+        trace: list[Traced] = []
         local.buckets = collect_grads(
             # A norm must see coalesced sparse values; the scaler, like torch's, coalesces fp16 only.
             _coalesced(items, as_grads=request.as_grads)
@@ -537,12 +567,22 @@ def _collect(items: list[torch.Tensor], config: StepConfig, request: StepRequest
             else items,
             config.adapter_context(),
             config.registry,
-            group_ranks=_group_ranks(config),
+            group_ranks=group_ranks,
             as_grads=request.as_grads,
+            trace=trace,
         )
+        local.seed = (key, catalog, trace)
     except Exception as exc:
         local.record(exc)
     return local
+
+
+def _owners(local: _Local) -> list[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]]:
+    """(parameter, local tensor) weak references in bucket order, for overflow localisation."""
+    if local.plan is not None and local.error is None:  # warm, or built from these buckets
+        tensors = [t for bucket in local.buckets.every.values() for t in bucket]
+        return list(zip(local.plan.owner_refs, map(weakref.ref, tensors), strict=True))
+    return [(weakref.ref(param), weakref.ref(t)) for param, t in local.buckets.owner_pairs()]
 
 
 def _group_ranks(config: StepConfig) -> tuple[int, ...] | None:
@@ -553,8 +593,14 @@ def _group_ranks(config: StepConfig) -> tuple[int, ...] | None:
     return config.backend.group_ranks(config.group)
 
 
-def _coalesced(items: Iterable[torch.Tensor], *, as_grads: bool) -> list[torch.Tensor]:
+def _coalesced(items: list[torch.Tensor], *, as_grads: bool) -> list[torch.Tensor]:
     # A norm over uncoalesced sparse values counts duplicate indices separately.
+    try:
+        grads = items if as_grads else list(map(_GRAD, items))
+        if not any(g.is_sparse for g in grads if g is not None):
+            return items  # the common case: nothing sparse, nothing to copy
+    except AttributeError:
+        pass  # not tensors: collect_grads names the problem
     out = []
     for item in items:
         grad = item if as_grads else getattr(item, "grad", None)
@@ -585,8 +631,9 @@ def _check(
         )
         local.max_norm = check_max_norm(request.max_norm)
         _check_devices(local.buckets, request.scale, request.scale_device_type)
-        _check_distinct_dims(local.buckets, config.distinct_dims)
-        _check_distinct_params(local.buckets, items, config.distinct_params)
+        if not local.warm:  # a plan's parameters and declarations passed these when it was built
+            _check_distinct_dims(local.buckets, config.distinct_dims)
+            _check_distinct_params(local.buckets, items, config.distinct_params)
         if not request.as_grads:  # parameters: the step or the optimizer writes their .grad
             check_no_aliased_grads(local.buckets)
         # Resolved here, not while reading: an unknown or unsupported kernels name is refused
@@ -594,9 +641,17 @@ def _check(
         local.kernels = {
             dev: config.registry.kernels_for(dev, config.kernels) for dev in local.buckets.devices()
         }
+        if local.seed is not None:
+            key, catalog, trace = local.seed
+            local.plan = build_plan(
+                items, local.buckets, trace, key=key, catalog=catalog, as_grads=request.as_grads
+            )
         local.declarations = _declarations(local, items, config)
     except Exception as exc:
         local.record(exc)
+        return
+    if local.seed is not None and local.plan is not None:
+        remember_plan(items, local.plan)  # every check passed: the next step may reuse it
 
 
 def _check_devices(buckets: GradBuckets, scale: torch.Tensor | None, expect: str | None) -> None:
@@ -616,6 +671,7 @@ def _check_devices(buckets: GradBuckets, scale: torch.Tensor | None, expect: str
 
 
 _PLAIN = PlainTensorAdapter()
+_GRAD = operator.attrgetter("grad")
 
 
 def _check_distinct_dims(buckets: GradBuckets, distinct: frozenset[str]) -> None:
@@ -685,23 +741,47 @@ def _declarations(local: _Local, items: Sequence[torch.Tensor], config: StepConf
         return "no norm"
     if local.world <= 1:
         return "one rank"  # nothing to agree with; spares the walk below
-    replicas: Counter[tuple[tuple[int, ...], torch.dtype]] = Counter()
-    if ALL_RANKS not in config.distinct_dims:
-        distinct = config.distinct_params
-        # The step's tensors, with a gradient or not: a replica may lack one on some rank.
-        for item in items:
-            if id(item) not in distinct and _PLAIN.claims(item):
-                replicas[(tuple(item.shape), item.dtype)] += 1
+    plan = local.plan
+    if plan is not None and plan.replica_listing is not None and replicas_unchanged(plan, items):
+        listing = plan.replica_listing  # the same tensors, shapes and dtypes as last time
+    else:
+        positions = _replica_positions(items, config)
+        listing = _replica_listing(items, positions)
+        if plan is not None:
+            plan.remember_replicas(items, positions, listing)
+    return (
+        f"distinct_dims={sorted(config.distinct_dims)}, norm_type={local.norm_type}, "
+        f"max_norm={local.max_norm}, replicated plain tensors [{listing}]"
+    )
+
+
+def _replica_positions(items: Sequence[torch.Tensor], config: StepConfig) -> list[int]:
+    """Where the plain tensors that are replicas on every rank sit among the step's tensors."""
+    if ALL_RANKS in config.distinct_dims:
+        return []
+    distinct = config.distinct_params
+    kinds = list(map(type, items))
+    never = {kind for kind in set(kinds) if _PLAIN.claims_type(kind) is False}
+    if len(never) == len(set(kinds)):
+        return []  # no plain tensor at all (an FSDP2 model): no walk
+    # The step's tensors, with a gradient or not: a replica may lack one on some rank.
+    return [
+        i
+        for i, (item, kind) in enumerate(zip(items, kinds, strict=True))
+        if kind not in never and id(item) not in distinct and _PLAIN.claims(item)
+    ]
+
+
+def _replica_listing(items: Sequence[torch.Tensor], positions: Sequence[int]) -> str:
+    replicas: Counter[tuple[tuple[int, ...], torch.dtype]] = Counter(
+        (tuple(items[i].shape), items[i].dtype) for i in positions
+    )
     # Sorted: the multiset, not the order the parameters happen to be listed in.
-    listing = ", ".join(
+    return ", ".join(
         sorted(
             f"{n} x {shape} {str(dtype).removeprefix('torch.')}"
             for (shape, dtype), n in replicas.items()
         )
-    )
-    return (
-        f"distinct_dims={sorted(config.distinct_dims)}, norm_type={local.norm_type}, "
-        f"max_norm={local.max_norm}, replicated plain tensors [{listing}]"
     )
 
 
@@ -749,7 +829,11 @@ def _read(
         if all(counts):
             reading.counted_norms.append(norms)
         elif any(counts):
-            picked = torch.tensor([i for i, c in enumerate(counts) if c], device=device)
+            picked = (
+                local.plan.counted_index((dev, dtype), device)
+                if local.warm and local.plan is not None
+                else torch.tensor([i for i, c in enumerate(counts) if c], device=device)
+            )
             reading.counted_norms.append(norms[picked])
     return reading
 
@@ -768,6 +852,10 @@ def _bucket_norms(
     bookkeeping per tensor would cost more than the read.
     """
     reuse = [precomputed.lookup(t) for t in tensors] if precomputed is not None else None
+    if reuse is None and (p is None or all(counts) or not any(counts)):
+        # One kernel call for the bucket, without a Python step per tensor.
+        q = p if (p is not None and counts and counts[0]) else math.inf
+        return _tensor_norms(kernels, tensors, q).to(device=device, dtype=torch.float64)
     groups: dict[float, list[int]] = {}
     for i, c in enumerate(counts):
         if reuse is None or reuse[i] is None:
@@ -794,8 +882,8 @@ def _tensor_norms(kernels: Any, tensors: Sequence[torch.Tensor], p: float) -> to
         safe: torch.Tensor = kernels.tensor_norms(tensors, p)
         return safe
     if p in (1.0, 2.0) or math.isinf(p):
-        if any(t.dtype is torch.float64 for t in tensors) and p == 2.0:
-            if all(t.device.type == "cpu" for t in tensors):
+        if p == 2.0 and tensors and tensors[0].dtype is torch.float64:  # one dtype per bucket
+            if tensors[0].device.type == "cpu":
                 return _float64_norms_on_cpu(kernels, tensors)
             return _normalised_norms(kernels, tensors, p)
         norms: torch.Tensor = kernels.tensor_norms(tensors, p)

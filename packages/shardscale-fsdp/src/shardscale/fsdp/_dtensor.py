@@ -7,12 +7,14 @@ from typing import Any, ClassVar
 import torch
 
 from shardscale.core import AdapterContext, GradShard, LayoutError
-from shardscale.fsdp._mesh_replicas import replica_status
+from shardscale.fsdp._mesh_replicas import ReplicaStatus, replica_status
 
 __all__ = ["DTENSOR_PRIORITY", "DTensorAdapter"]
 
 #: Above the plain-tensor adapter (0), below FSDP1 (which knows more about its parameters).
 DTENSOR_PRIORITY = 20
+#: Layouts one adapter remembers (a model has a handful; tests build many meshes).
+_LAYOUTS_KEPT = 256
 
 
 def _dtensor_type() -> type[Any] | None:
@@ -39,13 +41,22 @@ class DTensorAdapter:
 
     name: ClassVar[str] = "dtensor"
     priority: ClassVar[int] = DTENSOR_PRIORITY
+    #: Its answer depends only on the gradient's layout and the step's context (the step plan).
+    stable_layout: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._dtensor = _dtensor_type()
+        # (id(mesh), placements, distinct dims) -> (mesh, status): thousands of FSDP2 gradients
+        # share a few layouts. The mesh is kept, so its id cannot be reused while remembered.
+        self._layouts: dict[tuple[int, Any, frozenset[str]], tuple[Any, ReplicaStatus]] = {}
 
     def claims(self, param: torch.Tensor) -> bool:
         """Any ``DTensor`` parameter (FSDP2 turns every managed parameter into one)."""
         return self._dtensor is not None and isinstance(param, self._dtensor)
+
+    def claims_type(self, kind: type) -> bool:
+        """Every parameter of a DTensor class, and none of another (the registry's shortcut)."""
+        return self._dtensor is not None and issubclass(kind, self._dtensor)
 
     def describe(self, param: torch.Tensor, grad: torch.Tensor, ctx: AdapterContext) -> GradShard:
         """The grad's local shard, whether this copy counts, and the mesh's ranks."""
@@ -57,13 +68,21 @@ class DTensorAdapter:
                 "which part of it. Assign gradients as DTensors with the parameter's mesh "
                 "(DTensor.from_local(local_grad, param.device_mesh, param.placements))."
             )
-        import torch.distributed as dist
+        spec = grad._spec
+        key = (id(spec.mesh), spec.placements, ctx.distinct_dims)
+        known = self._layouts.get(key)
+        if known is None:
+            import torch.distributed as dist
 
-        status = replica_status(
-            grad.device_mesh,
-            grad.placements,
-            ctx.distinct_dims,
-            global_rank=dist.get_rank() if dist.is_initialized() else 0,
-        )
+            status = replica_status(
+                spec.mesh,
+                spec.placements,
+                ctx.distinct_dims,
+                global_rank=dist.get_rank() if dist.is_initialized() else 0,
+            )
+            if len(self._layouts) >= _LAYOUTS_KEPT:
+                self._layouts.clear()
+            known = self._layouts[key] = (spec.mesh, status)
+        status = known[1]
         local: torch.Tensor = grad._local_tensor
         return GradShard(local=local, counts=status.counts, ranks=status.ranks)

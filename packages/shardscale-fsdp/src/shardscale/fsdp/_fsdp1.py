@@ -183,12 +183,18 @@ class Fsdp1Adapter:
 
     name: ClassVar[str] = "fsdp1"
     priority: ClassVar[int] = FSDP1_PRIORITY
+    #: Its answer depends only on the gradient's layout and the step's context (the step plan).
+    stable_layout: ClassVar[bool] = True
 
     def claims(self, param: torch.Tensor) -> bool:
         """Plain-tensor parameters that FSDP1 flattened or registered."""
         if type(param) not in (torch.Tensor, torch.nn.Parameter):
             return False  # DTensor parameters (FSDP1 + TP) are the DTensor adapter's
         return param in _layouts or is_fsdp1_param(param)
+
+    def claims_type(self, kind: type) -> bool | None:
+        """None of a tensor subclass (DTensor); a plain parameter's FSDP1 marks decide."""
+        return None if kind in (torch.Tensor, torch.nn.Parameter) else False
 
     def describe(self, param: torch.Tensor, grad: torch.Tensor, ctx: AdapterContext) -> GradShard:
         """The local gradient and whether this rank's copy counts."""

@@ -1,0 +1,320 @@
+"""The step plan: what the collect and check stages found, kept per layout for the next step.
+
+[Note: the step plan]
+A step's collect and check stages ask, per parameter, which adapter owns its
+gradient, which copy counts, which bucket (device, dtype) it falls in, and
+whether the declarations fit the parameters. With thousands of small
+parameters (MoE experts) that Python work costs more than reading the
+gradients. None of it changes from one step to the next unless the layout
+does, so the first step on a layout keeps its answers in a :class:`StepPlan`
+and later steps check, in bulk, that they still hold:
+
+* the same parameters, in the same order: their ``id()`` s, and no parameter
+  died since (a weakref callback marks the plan dead, so a new tensor that
+  reuses a freed one's address cannot pass for it);
+* each gradient's presence and class: ``type(grad)`` per parameter (``None``
+  when absent), no plain gradient turned sparse, each DTensor gradient's
+  ``_spec`` equal to the one the plan was built for (its mesh, placements
+  and global shape: what the adapter's ``counts`` answer rests on);
+* each local tensor's (device, dtype): the bucket keys and their members are
+  recomputed by torch's C++ grouping and must equal the plan's, in order;
+* the step's configuration (group and its ranks, rank, world, distinct dims
+  and tensors, registry catalog, sparse coalescing): part of the plan's key.
+
+Then the local tensors are taken directly (a DTensor gradient's
+``_local_tensor``, a plain gradient itself): no adapter call, no registry
+lookup, no per-parameter bookkeeping. Anything else is a rebuild: the step
+runs cold, exactly as without a plan, and the new plan replaces the old one.
+
+What is still checked on every step, plan or not: the aliasing of gradients
+(their addresses can change with every new gradient), the devices against the
+scale's, the options, the kernels, and the declarations' fingerprint of the
+plain replicated tensors (their shapes and dtypes are re-read). A plan is
+kept only after a step whose checks all passed; only adapters that declare
+``stable_layout = True`` (their answer depends on nothing but the gradient's
+layout and the step's context: the built-in ones) are planned; a step with
+any other adapter, or with sparse gradients, always runs cold.
+
+The plan holds no tensor: parameters through weak references, gradients not
+at all. It lives in a table keyed weakly by the step's first tensor, so it
+goes when the parameters go.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import weakref
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from shardscale.core._gradients import GradBuckets, Traced
+
+__all__ = [
+    "StepPlan",
+    "build_plan",
+    "find_plan",
+    "forget_plans",
+    "plans_of",
+    "remember_plan",
+    "replicas_unchanged",
+    "warm_buckets",
+]
+
+_GRAD = operator.attrgetter("grad")
+_SPEC = operator.attrgetter("_spec")
+_LOCAL = operator.attrgetter("_local_tensor")
+_SPARSE = operator.attrgetter("is_sparse")
+_Key = tuple[torch.device, torch.dtype]
+
+#: Plans per step key for one first tensor: a few callers (a scaler, a clip call) at most.
+_PER_FIRST = 4
+
+
+@dataclass(slots=True, eq=False)
+class _PlanBucket:
+    key: _Key
+    #: Positions in the list of present gradients, in bucket order.
+    members: list[int]
+    #: Positions of the owners in the step's tensor list (None: the list itself).
+    owners: list[int] | None
+    counts: list[bool]
+    #: Indices of the counted members, per device they were asked on (built once).
+    counted_index: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(slots=True, eq=False, weakref_slot=True)
+class StepPlan:
+    """The answers of one cold step's collect and check stages (see [Note: the step plan])."""
+
+    key: Hashable
+    catalog: object
+    ids: list[int]
+    grad_types: list[type]
+    #: Positions of the tensors that have a gradient (None: all of them).
+    present: list[int] | None
+    #: Per present gradient, whether it is a DTensor (local: ``_local_tensor``).
+    dtensor: list[bool]
+    specs: list[Any]
+    buckets: list[_PlanBucket]
+    #: (parameter, local tensor) weak references' first half, in bucket order.
+    owner_refs: list[weakref.ref[torch.Tensor]]
+    #: Positions of the plain replicated tensors the declarations describe, their
+    #: (shape, dtype) and their listing, once a step with a norm made it.
+    replica_positions: list[int] = field(default_factory=list)
+    replica_meta: list[tuple[torch.Size, torch.dtype]] = field(default_factory=list)
+    replica_listing: str | None = None
+    alive: bool = True
+    #: How many warm steps reused it.
+    uses: int = 0
+    _refs: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
+
+    def _died(self, _ref: object) -> None:
+        self.alive = False
+
+    def remember_replicas(
+        self, items: Sequence[torch.Tensor], positions: list[int], listing: str
+    ) -> None:
+        """Keep the declarations' listing of the plain replicated tensors at ``positions``."""
+        self.replica_positions = positions
+        self.replica_meta = _replica_meta(items, positions)
+        self.replica_listing = listing
+
+    def counted_index(self, key: _Key, device: torch.device) -> torch.Tensor:
+        """The indices of the counted members of bucket ``key``, as a tensor on ``device``."""
+        for bucket in self.buckets:
+            if bucket.key == key:
+                index = bucket.counted_index.get(device)
+                if index is None:
+                    picked = [i for i, c in enumerate(bucket.counts) if c]
+                    index = torch.tensor(picked, dtype=torch.long, device=device)
+                    bucket.counted_index[device] = index
+                return index
+        raise KeyError(key)
+
+
+_plans: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _table(first: torch.Tensor) -> dict[Hashable, StepPlan] | None:
+    if first not in _plans:
+        return None
+    table: dict[Hashable, StepPlan] = _plans[first]
+    return table
+
+
+def plans_of(first: torch.Tensor) -> list[StepPlan]:
+    """The plans kept for steps whose first tensor is ``first`` (for tests and diagnostics)."""
+    table = _table(first)
+    return list(table.values()) if table is not None else []
+
+
+def forget_plans(first: torch.Tensor) -> None:
+    """Drop the plans kept for steps whose first tensor is ``first`` (the next step runs cold)."""
+    if first in _plans:
+        del _plans[first]
+
+
+def find_plan(items: Sequence[torch.Tensor], key: Hashable, catalog: object) -> StepPlan | None:
+    """The live plan kept for these tensors under ``key``, if any (not yet validated)."""
+    if not items:
+        return None
+    table = _table(items[0])
+    if table is None:
+        return None
+    plan = table.get(key)
+    if plan is None or not plan.alive or plan.catalog is not catalog:
+        return None
+    return plan
+
+
+def remember_plan(items: Sequence[torch.Tensor], plan: StepPlan) -> None:
+    """Keep ``plan`` for the next step on these tensors (replacing one under the same key)."""
+    table = _table(items[0])
+    if table is None:
+        table = {}
+        _plans[items[0]] = table
+    table.pop(plan.key, None)
+    while len(table) >= _PER_FIRST:
+        table.pop(next(iter(table)))  # the oldest
+    table[plan.key] = plan
+
+
+def build_plan(
+    items: Sequence[torch.Tensor],
+    buckets: GradBuckets,
+    traced: Sequence[Traced],
+    *,
+    key: Hashable,
+    catalog: object,
+    as_grads: bool,
+) -> StepPlan | None:
+    """A plan from a cold step's buckets and trace; None when this layout cannot be planned."""
+    if not items or len(traced) != buckets.count:
+        return None
+    if not all(stable for _, _, stable in traced):
+        return None  # an adapter that did not promise a stable answer: always cold
+    present_positions = [position for position, _, _ in traced]
+    if any(a >= b for a, b in itertools.pairwise(present_positions)):
+        return None  # the same tensor twice, or an order the trace does not keep
+    locals_ = [local for _, local, _ in traced]
+    grads: list[Any] = list(items) if as_grads else list(map(_GRAD, items))
+    present = [grads[i] for i in present_positions]
+    dtensor_type = _dtensor_type()
+    kinds = {
+        kind: dtensor_type is not None and issubclass(kind, dtensor_type)
+        for kind in set(map(type, present))
+    }
+    dtensor = [kinds[type(g)] for g in present]
+    shards = [g for g, is_dt in zip(present, dtensor, strict=True) if is_dt]
+    plain = [g for g, is_dt in zip(present, dtensor, strict=True) if not is_dt]
+    # The plan takes locals directly: they must be what the adapters gave.
+    expected = [g._local_tensor if is_dt else g for g, is_dt in zip(present, dtensor, strict=True)]
+    if not all(map(operator.is_, locals_, expected)) or any(map(_SPARSE, plain)):
+        return None
+    specs = list(map(_SPEC, shards))
+    slot = dict(zip(map(id, locals_), range(len(locals_)), strict=True))
+    plan_buckets: list[_PlanBucket] = []
+    owner_refs: list[weakref.ref[torch.Tensor]] = []
+    refs: list[weakref.ref[torch.Tensor]] = []
+    plan = StepPlan(
+        key=key,
+        catalog=catalog,
+        ids=list(map(id, items)),
+        grad_types=list(map(type, grads)),
+        present=None if len(present_positions) == len(items) else present_positions,
+        dtensor=dtensor,
+        specs=specs,
+        buckets=plan_buckets,
+        owner_refs=owner_refs,
+        _refs=refs,
+    )
+    refs.extend(weakref.ref(item, plan._died) for item in items)
+    all_items = len(buckets.every) == 1 and plan.present is None
+    for bucket_key, tensors in buckets.every.items():
+        members = [slot[id(t)] for t in tensors]
+        owners = None if all_items else [present_positions[m] for m in members]
+        plan_buckets.append(
+            _PlanBucket(bucket_key, members, owners, list(buckets.counts_mask[bucket_key]))
+        )
+        owner_refs.extend(refs[present_positions[m]] for m in members)
+    return plan
+
+
+def _replica_meta(
+    items: Sequence[torch.Tensor], positions: Sequence[int]
+) -> list[tuple[torch.Size, torch.dtype]]:
+    return [(items[i].shape, items[i].dtype) for i in positions]
+
+
+def replicas_unchanged(plan: StepPlan, items: Sequence[torch.Tensor]) -> bool:
+    """Whether the plain replicated tensors still have the shapes and dtypes the plan saw."""
+    return _replica_meta(items, plan.replica_positions) == plan.replica_meta
+
+
+def warm_buckets(
+    plan: StepPlan, items: Sequence[torch.Tensor], *, as_grads: bool
+) -> GradBuckets | None:
+    """This step's buckets through ``plan``, or None when anything the plan rests on changed."""
+    if not plan.alive or list(map(id, items)) != plan.ids:
+        return None
+    grads: Sequence[Any] = items if as_grads else list(map(_GRAD, items))
+    if list(map(type, grads)) != plan.grad_types:
+        return None  # a gradient appeared, went away, or changed class
+    present = grads if plan.present is None else [grads[i] for i in plan.present]
+    if len(plan.specs) == len(present):  # every gradient a DTensor (FSDP2): the common case
+        if list(map(_SPEC, present)) != plan.specs:
+            return None
+        local: list[torch.Tensor] = list(map(_LOCAL, present))
+    else:
+        shards = [g for g, is_dt in zip(present, plan.dtensor, strict=True) if is_dt]
+        plain = [g for g, is_dt in zip(present, plan.dtensor, strict=True) if not is_dt]
+        if list(map(_SPEC, shards)) != plan.specs or any(map(_SPARSE, plain)):
+            return None
+        local = (
+            list(present)
+            if not shards
+            else [
+                g._local_tensor if is_dt else g
+                for g, is_dt in zip(present, plan.dtensor, strict=True)
+            ]
+        )
+    buckets = GradBuckets()
+    if not local:
+        return buckets if not plan.buckets else None
+    # torch's own C++ grouping: the bucket keys and members, without a Python loop per tensor.
+    grouped: dict[_Key, Any] = torch._C._group_tensors_by_device_and_dtype(
+        [cast("list[torch.Tensor | None]", local)], True
+    )
+    if len(grouped) != len(plan.buckets):
+        return None
+    for bucket in plan.buckets:
+        found = grouped.get(bucket.key)
+        if found is None or list(found[1]) != bucket.members:
+            return None
+        tensors: list[torch.Tensor] = list(found[0][0])
+        key = bucket.key
+        buckets.every[key] = tensors
+        buckets.owners[key] = (
+            list(items) if bucket.owners is None else [items[i] for i in bucket.owners]
+        )
+        buckets.counts_mask[key] = bucket.counts
+        if all(bucket.counts):
+            buckets.counted[key] = tensors
+        elif any(bucket.counts):
+            buckets.counted[key] = [t for t, c in zip(tensors, bucket.counts, strict=True) if c]
+    buckets.count = len(local)
+    plan.uses += 1
+    return buckets
+
+
+def _dtensor_type() -> type[Any] | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed support
+        return None
+    return DTensor

@@ -1,0 +1,238 @@
+"""The step plan in one process: a warm step gives what a cold one gives, and holds nothing.
+
+Each case runs a sequence of steps on one set of parameters (warm whenever
+the plan still holds) and, for every step, the same step on a fresh copy of
+the parameters (new tensors: always cold), and compares the two bit for bit:
+the norm, found_inf and every gradient after the multiply. Between steps the
+layout changes the ways a training loop changes it. FSDP2 (DTensor) layouts
+and declarations across ranks are in integration_tests/test_step_plan.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from shardscale.core import Apply, StepConfig, get_registry, run_step
+from shardscale.core._aliasing import AliasedGradientError
+from shardscale.core._step_plan import plans_of
+
+SCALE = 1024.0
+
+
+def _config(**kw: object) -> StepConfig:
+    registry = get_registry()
+    return StepConfig(backend=registry.make_backend("local"), registry=registry, **kw)  # type: ignore[arg-type]
+
+
+def _params(n: int = 6, seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for i in range(n):
+        p = torch.nn.Parameter(torch.randn(3 + i, generator=gen))
+        p.grad = torch.randn(3 + i, generator=gen) * SCALE
+        params.append(p)
+    return params
+
+
+def _copy(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    out = []
+    for p in params:
+        q = torch.nn.Parameter(p.detach().clone())
+        q.grad = None if p.grad is None else p.grad.clone()
+        out.append(q)
+    return out
+
+
+def _step(params: list[torch.nn.Parameter], config: StepConfig) -> tuple[torch.Tensor, ...]:
+    result = run_step(
+        params, config, apply=Apply.MULTIPLY, norm_type=2.0, max_norm=0.5,
+        scale=torch.tensor(SCALE),
+    )  # fmt: skip
+    assert result.norm is not None
+    return result.norm, result.found_inf
+
+
+def _same_as_cold(live: list[torch.nn.Parameter], config: StepConfig) -> None:
+    cold = _copy(live)  # new tensors: no plan can exist for them
+    assert not plans_of(cold[0])
+    got, want = _step(live, config), _step(cold, config)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
+    for p, q in zip(live, cold, strict=True):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            assert q.grad is not None
+            dense = (p.grad.to_dense(), q.grad.to_dense()) if p.grad.is_sparse else (p.grad, q.grad)
+            assert torch.equal(*dense)
+
+
+def _uses(params: list[torch.nn.Parameter]) -> list[int]:
+    return [plan.uses for plan in plans_of(params[0])]
+
+
+def _regrad(params: list[torch.nn.Parameter]) -> None:
+    """Fresh gradients of the same layout (zero_grad(set_to_none=True) and a backward)."""
+    gen = torch.Generator().manual_seed(len(params))
+    for p in params:
+        if p.grad is not None:
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype) * SCALE
+
+
+def test_a_warm_step_reuses_the_plan_and_matches_a_cold_one() -> None:
+    live, config = _params(), _config()
+    _same_as_cold(live, config)
+    assert _uses(live) == [0]  # built, not yet reused
+    for k in range(3):
+        _regrad(live)
+        _same_as_cold(live, config)
+        assert _uses(live) == [k + 1]
+
+
+def _drop_a_grad(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    params[2].grad = None
+    return params
+
+
+def _add_a_param(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    extra = torch.nn.Parameter(torch.randn(4))
+    extra.grad = torch.randn(4) * SCALE
+    return [*params, extra]
+
+
+def _change_a_dtype(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    p = params[1]
+    p.data = p.data.double()
+    p.grad = torch.randn(p.shape, dtype=torch.float64) * SCALE
+    return params
+
+
+def _make_a_grad_sparse(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    p = params[3]
+    assert p.grad is not None
+    dense = p.grad.clone()
+    # Duplicate indices: the norm must see them coalesced, as on a cold step.
+    index = torch.tensor([[0, 0, *range(p.numel())]])
+    values = torch.cat([dense[:1] / 2, dense[:1] / 2, dense])
+    values[2] = 0.0
+    p.grad = torch.sparse_coo_tensor(index, values, p.shape, check_invariants=True)
+    return params
+
+
+def _reorder(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    return params[::-1]
+
+
+@pytest.mark.parametrize(
+    "change", [_drop_a_grad, _add_a_param, _change_a_dtype, _make_a_grad_sparse, _reorder]
+)
+def test_a_change_between_steps_rebuilds_and_matches_a_cold_step(
+    change: Callable[[list[torch.nn.Parameter]], list[torch.nn.Parameter]],
+) -> None:
+    live, config = _params(), _config()
+    _same_as_cold(live, config)
+    _regrad(live)
+    _same_as_cold(live, config)  # warm
+    first = plans_of(live[0])
+    live = change(live)
+    _same_as_cold(live, config)  # the change is seen: the result is the cold step's
+    _regrad(live)
+    _same_as_cold(live, config)  # and the step after it too
+    if change is not _make_a_grad_sparse:  # sparse layouts are never planned
+        assert plans_of(live[0]) and plans_of(live[0])[-1] not in first
+
+
+def test_a_different_declaration_gets_its_own_plan() -> None:
+    live = _params()
+    plain, own = _config(), _config(distinct_params=frozenset({id(live[0])}))
+    for _ in range(2):
+        for config in (plain, own):
+            _regrad(live)
+            _step(live, config)
+    # One plan per declaration, each reused once: neither was taken for the other.
+    assert sorted(_uses(live)) == [1, 1]
+
+
+def test_aliased_grads_are_refused_on_a_warm_step() -> None:
+    # Grads that share memory keep every class, shape and device the plan checks: the aliasing
+    # check must still run on every step.
+    live, config = _params(), _config()
+    _step(live, config)
+    _regrad(live)
+    _step(live, config)
+    before = [p.grad.clone() for p in live]  # type: ignore[union-attr]
+    live[3].grad = live[4].grad[:6]  # type: ignore[index]  # the same first element
+    with pytest.raises(AliasedGradientError, match="share one gradient tensor"):
+        _step(live, config)
+    for p, g in zip(live[4:], before[4:], strict=True):
+        assert torch.equal(p.grad, g)  # type: ignore[arg-type]  # nothing was written
+
+
+def test_a_plan_holds_neither_parameters_nor_gradients() -> None:
+    live, config = _params(), _config()
+    for _ in range(2):
+        _step(live, config)
+        _regrad(live)
+    grads = [weakref.ref(p.grad) for p in live]  # type: ignore[arg-type]
+    for param in live:
+        param.grad = None  # zero_grad(set_to_none=True)
+    del param
+    gc.collect()
+    assert all(g() is None for g in grads)
+    params = [weakref.ref(p) for p in live]
+    plans = [weakref.ref(plan) for plan in plans_of(live[0])]
+    del live
+    gc.collect()
+    assert all(p() is None for p in params)
+    assert plans and all(plan() is None for plan in plans)
+
+
+def test_a_dead_parameter_kills_the_plan_even_if_its_address_is_reused() -> None:
+    live, config = _params(), _config()
+    _step(live, config)
+    (plan,) = plans_of(live[0])
+    live[5] = torch.nn.Parameter(torch.randn(8))  # the old one dies
+    live[5].grad = torch.randn(8) * SCALE
+    gc.collect()
+    assert not plan.alive
+    _same_as_cold(live, config)
+
+
+def test_registering_an_adapter_between_steps_rebuilds() -> None:
+    from shardscale.core import GradShard, hookimpl
+
+    class _NoCount:
+        name = "no-count"
+        priority = 100
+
+        def claims(self, param: torch.Tensor) -> bool:
+            return getattr(param, "_not_counted", False) is True
+
+        def describe(self, param: torch.Tensor, grad: torch.Tensor, ctx: object) -> GradShard:
+            return GradShard(local=grad, counts=False, ranks=None)
+
+    class _Plugin:
+        @hookimpl
+        def shardscale_grad_adapters(self) -> list[object]:
+            return [_NoCount()]
+
+    live, config = _params(), _config()
+    live[0]._not_counted = True  # type: ignore[attr-defined]
+    _step(live, config)  # the plain adapter counts live[0]: that is the plan
+    registry = get_registry()
+    name = registry.register(_Plugin(), name="no-count")
+    try:
+        _regrad(live)
+        cold, unmarked = _copy(live), _copy(live)
+        cold[0]._not_counted = True  # type: ignore[attr-defined]
+        got, want = _step(live, config)[0], _step(cold, config)[0]
+        counted = _step(unmarked, config)[0]  # what the old plan would have said
+        assert torch.equal(got, want)
+        assert not torch.equal(got, counted)
+        assert all(plan.uses == 0 for plan in plans_of(live[0]))  # rebuilt, not reused
+    finally:
+        registry.unregister(name)

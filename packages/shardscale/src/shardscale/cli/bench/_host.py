@@ -1,0 +1,360 @@
+"""The host benchmark: the host's work before the optimizer against the number of parameters.
+
+[Note: the host table]
+With tiny gradients the arithmetic of a step vanishes and what is left is the
+host's work: Python, dispatch, DTensor unwrapping, one launch per tensor group
+-- the part that bounds a GPU step of a model with 10^4 parameters (MoE
+experts). Here it is measured on the CPU, on ``N`` tiny FSDP2 parameters over
+a 1-D mesh of every rank (2 gloo ranks by default, 1 thread each):
+
+* the work timed is everything before the optimizer: torch's
+  ``scaler.unscale_(opt)`` + ``torch.nn.utils.clip_grad_norm_`` and reading
+  the norm (``full_tensor()`` of the DTensor it returns), against
+  ``unscale_and_clip_`` and reading its norm; ``update()`` and restoring the
+  gradients are untimed. A sample is the slowest rank's wall time;
+* arms: ``torch``, ``torch_aa`` (torch again, on a second copy: the A/A noise
+  floor) and ``ours``, interleaved in a balanced order (``_order``) round by
+  round; ratios of medians with paired bootstrap intervals (``_stats``);
+* **warm**: the same call again on one layout (the common step);
+* **cold**: the first call on a layout never seen before. Ours: the
+  parameter list rotated by 1, 2, 3 ... in an optimizer of its own
+  (``cold_repeats`` of them, so no sample finds another's step plan).
+  torch: the torch arm's first call, one
+  sample, reported apart: DTensor's sharding propagation of a foreach op over
+  N DTensors grows about quadratically on its first call (pytorch#169445),
+  torch runs up to ``torch_max`` (4 000) parameters and beyond only while
+  its projected cold calls fit ``torch_budget_s``; other points run ours
+  alone. Ours cold is stepped by a scaler that has stepped before (a layout
+  that changes mid-training), so the scaler's own first-step checks are not
+  charged to the layout;
+* ``clock``: ``wall`` (the default) or ``cpu``, each rank's process CPU time,
+  which a machine shared with other work disturbs less (the ratios are what
+  to compare across machines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from shardscale.cli.bench._arms import make_scaler
+from shardscale.cli.bench._bytes import local_tensor
+from shardscale.cli.bench._order import balanced_order, rounds_for
+from shardscale.cli.bench._stats import median, ratio_interval, summary
+from shardscale.cli.bench._workload import TinyParams
+
+__all__ = ["HostConfig", "format_host", "main", "run_host"]
+
+_ARMS = ("torch", "torch_aa", "ours")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostConfig:
+    """Every knob of one host-table run (the defaults take about ten minutes on 2 cores)."""
+
+    points: tuple[int, ...] = (500, 1000, 2000, 4000, 8000, 20000)
+    param_numel: int = 9  # elements per parameter: 5 and 4 per rank, tiny
+    rounds: int = 24  # warm rounds per point (each runs every arm once)
+    cold_repeats: int = 3  # ours: first calls on fresh layouts per point
+    torch_max: int = 4000  # torch runs at every point up to this many parameters, and
+    torch_budget_s: float = 240.0  # beyond it while its projected cold calls fit this budget
+    clock: str = "wall"  # or "cpu": each rank's process CPU time (steadier on a loaded machine)
+    world_size: int = 2
+    max_norm: float = 1.0
+    backend: str = "counting+c10d"
+    seed: int = 0
+    resamples: int = 2000
+
+    def check(self) -> None:
+        """Raise ValueError (one line, naming the option) for a value that cannot run."""
+        if not self.points or any(p < 1 for p in self.points):
+            raise ValueError(f"--points must be integers >= 1, got {self.points}")
+        for name, value in (
+            ("--param-numel", self.param_numel),
+            ("--rounds", self.rounds),
+            ("--world-size", self.world_size),
+            ("--resamples", self.resamples),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.cold_repeats < 3:
+            raise ValueError(f"--cold-repeats must be >= 3, got {self.cold_repeats}")
+        if not self.torch_budget_s >= 0 or not self.max_norm > 0:
+            raise ValueError("--torch-budget must be >= 0 and --max-norm > 0")
+        if self.clock not in ("wall", "cpu"):
+            raise ValueError(f"--clock must be wall or cpu, got {self.clock!r}")
+
+
+class _Case:
+    """One model, optimizer and scaler, with its gradients saved for restoring."""
+
+    def __init__(self, recipe: str, count: int, numel: int, mesh: Any, backend: str) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        self.recipe = recipe
+        self.model = TinyParams(count=count, numel=numel)
+        fully_shard(self.model, mesh=mesh)
+        self.params = list(self.model.parameters())
+        self.opt = torch.optim.SGD(self.params, lr=0.0)
+        self.scaler: Any = make_scaler(recipe, "cpu", backend)
+        self.scaler.scale(self.model()).backward()
+        self.saved = [local_tensor(p.grad).clone() for p in self.params if p.grad is not None]
+
+    def restore(self) -> None:
+        grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
+        torch._foreach_copy_(grads, self.saved)
+
+    def timed(self, max_norm: float, clock: str = "wall", opt: Any = None) -> float:
+        """Seconds before the optimizer on the slowest rank; ``update()`` untimed."""
+        import torch.distributed as dist
+
+        opt = self.opt if opt is None else opt
+        now = time.process_time if clock == "cpu" else time.perf_counter
+        dist.barrier()
+        start = now()
+        if self.recipe == "ours":
+            from shardscale.clip import unscale_and_clip_
+
+            norm = unscale_and_clip_(self.scaler, opt, max_norm)
+        else:
+            self.scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            full = getattr(norm, "full_tensor", None)
+            norm = full() if full is not None else norm
+        float(norm)  # reading the norm (logging it) is part of the work
+        took = torch.tensor([now() - start], dtype=torch.float64)
+        self.scaler.update()
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)  # every rank decides on the same numbers
+        return float(took.item())
+
+
+def _point(cfg: HostConfig, count: int, mesh: Any, *, with_torch: bool) -> dict[str, Any]:
+    arms = _ARMS if with_torch else ("ours",)
+    clock = cfg.clock
+    out: dict[str, Any] = {"n_params": count}
+    cases = {arm: _Case(arm, count, cfg.param_numel + (arm == "ours"), mesh, cfg.backend)
+             for arm in arms}  # fmt: skip
+    for arm, case in cases.items():
+        took = case.timed(cfg.max_norm, clock)  # the first call on this layout: torch's is cold
+        if arm == "torch":
+            out["torch_cold_s"] = took
+        case.restore()
+    # Ours cold: layouts never stepped before -- the parameter list rotated, in an optimizer of
+    # its own -- stepped by a scaler that has stepped before, as when parameters are frozen or
+    # added mid-training: the layout's cost, not the scaler's first step.
+    ours, cold_ours = cases["ours"], []
+    for k in range(cfg.cold_repeats):
+        rotated = ours.params[k + 1 :] + ours.params[: k + 1]
+        cold_ours.append(ours.timed(cfg.max_norm, clock, torch.optim.SGD(rotated, lr=0.0)))
+        ours.restore()
+    out["ours_cold_s"] = cold_ours
+    warm: dict[str, list[float]] = {arm: [] for arm in arms}
+    for order in balanced_order(len(arms), rounds_for(cfg.rounds, len(arms))):
+        for index in order:
+            arm = arms[index]
+            warm[arm].append(cases[arm].timed(cfg.max_norm, clock))
+            cases[arm].restore()
+    out["warm_s"] = warm
+    out["warm"] = {arm: summary(samples) for arm, samples in warm.items()}
+    out["us_per_param"] = {arm: median(s) / count * 1e6 for arm, s in warm.items()}
+    out["ours_cold"] = summary(cold_ours)
+    out["ours_cold_over_warm_derived"] = median(cold_ours) / median(warm["ours"])
+    if with_torch:
+        for name, arm in (("ratio", "ours"), ("aa", "torch_aa")):
+            out[name] = ratio_interval(
+                warm[arm], warm["torch"], seed=cfg.seed, resamples=cfg.resamples
+            ).as_dict()
+    return out
+
+
+def _growth(points: list[dict[str, Any]], cfg: HostConfig) -> list[dict[str, Any]]:
+    """Ours warm at each point against the 4 000 (else the smallest) point, with intervals."""
+    if not points:
+        return []
+    base = next((p for p in points if p["n_params"] == 4000), points[0])
+    out = []
+    for p in points:
+        if p is base:
+            continue
+        got = ratio_interval(
+            p["warm_s"]["ours"], base["warm_s"]["ours"], paired=False,
+            seed=cfg.seed, resamples=cfg.resamples,
+        )  # fmt: skip
+        out.append({
+            "n_params": p["n_params"], "base": base["n_params"],
+            "params_ratio": p["n_params"] / base["n_params"], "time_ratio": got.as_dict(),
+        })  # fmt: skip
+    return out
+
+
+def _worker(rank: int, cfg: HostConfig, store: str, result_path: str) -> None:
+    import logging
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=cfg.world_size)  # fmt: skip
+    try:
+        mesh = init_device_mesh("cpu", (cfg.world_size,), mesh_dim_names=("dp",))
+        points: list[dict[str, Any]] = []
+        spent = 0.0  # on torch's cold calls, the same on every rank (reduced samples)
+        last: tuple[int, float] | None = None
+        for count in sorted(cfg.points):
+            # Beyond torch_max, torch runs only on a projection from a point it ran.
+            projected = math.inf if last is None else last[1] * (count / last[0]) ** 2
+            with_torch = count <= cfg.torch_max or spent + projected <= cfg.torch_budget_s
+            started = time.perf_counter()
+            point = _point(cfg, count, mesh, with_torch=with_torch)
+            if with_torch:
+                spent += point["torch_cold_s"]
+                last = (count, point["torch_cold_s"])
+            else:
+                point["torch_skipped"] = (
+                    f"torch's cold call projected at {projected:.0f} s (quadratic from "
+                    f"{last[0]}), over the {cfg.torch_budget_s:.0f} s budget"
+                    if last is not None
+                    else f"above --torch-max {cfg.torch_max} with no smaller point to project from"
+                )
+            point["elapsed_s"] = time.perf_counter() - started
+            points.append(point)
+            if rank == 0:
+                print(f"  {count} parameters: done in {point['elapsed_s']:.0f} s",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                with open(result_path, "w") as fh:  # after every point: a cut run keeps its data
+                    json.dump({"points": points, "growth": _growth(points, cfg)}, fh)
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # gloo's threads sometimes abort interpreter shutdown; results are on disk
+
+
+def run_host(cfg: HostConfig) -> dict[str, Any]:
+    """Run the host table in ``cfg.world_size`` fresh processes; returns the raw results."""
+    cfg.check()
+    from torch.multiprocessing.spawn import spawn
+
+    started = time.time()
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="shardscale-host-") as tmp:
+        store, path = os.path.join(tmp, "store"), os.path.join(tmp, "result.json")
+        spawn(_worker, args=(cfg, store, path), nprocs=cfg.world_size, join=True)  # type: ignore[no-untyped-call]
+        with open(path) as fh:
+            raw: dict[str, Any] = json.load(fh)
+    return {
+        "schema": 1,
+        "kind": "host",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "elapsed_s": time.time() - started,
+        "config": asdict(cfg),
+        "environment": {
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "load_average_start": [round(x, 2) for x in load],
+            "load_average_end": [round(x, 2) for x in os.getloadavg()],
+        },
+        **raw,
+    }
+
+
+def _interval(d: dict[str, Any]) -> str:
+    return f"{d['ratio']:.2f} [{d['low']:.2f}, {d['high']:.2f}]"
+
+
+def format_host(result: dict[str, Any]) -> str:
+    """The host table and the growth lines, in Markdown."""
+    cfg, env = result["config"], result["environment"]
+    lines = [
+        f"Host work before the optimizer (unscale + clip + reading the norm), {cfg['param_numel']}"
+        f"-element FSDP2 parameters, {cfg['world_size']} gloo ranks x 1 thread, "
+        f"{cfg.get('clock', 'wall')} clock, torch "
+        f"{env['torch']}, {env['cpu_count']} CPUs (load {env['load_average_start']} at the "
+        f"start); warm: medians of {cfg['rounds']}+ interleaved rounds, ratios with 95 % paired "
+        f"bootstrap intervals; ours cold: min/median/max of {cfg['cold_repeats']} fresh layouts; "
+        "torch cold: its first call, one sample.",
+        "",
+        "| params | torch cold s | ours cold ms | torch warm ms | ours warm ms | torch µs/param "
+        "| ours µs/param | ours / torch [95 % CI] | A/A [95 % CI] | ours cold / warm |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | ---: |",
+    ]
+    for p in result["points"]:
+        c = p["ours_cold"]
+        cold = f"{c['min'] * 1e3:.1f}/{c['median'] * 1e3:.1f}/{c['max'] * 1e3:.1f}"
+        has_torch = "torch" in p["warm"]
+        tw = f"{p['warm']['torch']['median'] * 1e3:.1f}" if has_torch else "skipped"
+        tu = f"{p['us_per_param']['torch']:.1f}" if has_torch else "-"
+        tc = f"{p['torch_cold_s']:.2f}" if has_torch else "skipped"
+        ratio = _interval(p["ratio"]) if has_torch else "-"
+        aa = _interval(p["aa"]) if has_torch else "-"
+        lines.append(
+            f"| {p['n_params']} | {tc} | {cold} | {tw} | {p['warm']['ours']['median'] * 1e3:.1f} "
+            f"| {tu} | {p['us_per_param']['ours']:.1f} | {ratio} | {aa} "
+            f"| {p['ours_cold_over_warm_derived']:.2f} |"
+        )
+    for g in result.get("growth", []):
+        lines.append(
+            f"\nOurs warm, {g['n_params']} / {g['base']} parameters ({g['params_ratio']:.1f}x): "
+            f"{_interval(g['time_ratio'])} (unpaired interval)"
+        )
+    skipped = [f"{p['n_params']}: {p['torch_skipped']}" for p in result["points"]
+               if "torch_skipped" in p]  # fmt: skip
+    if skipped:
+        lines.append("\ntorch not run at " + "; ".join(skipped))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m shardscale.cli.bench._host [options]`` (what ``nox -s bench_host`` runs)."""
+    parser = argparse.ArgumentParser(prog="bench_host", description=__doc__.splitlines()[0])
+    parser.add_argument("--points", default=None, help="comma list, e.g. 500,1000,4000")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--cold-repeats", type=int, default=None)
+    parser.add_argument("--torch-budget", type=float, default=None, help="seconds")
+    parser.add_argument("--torch-max", type=int, default=None, help="torch always runs up to")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default=None)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 small points")
+    parser.add_argument("--json", default=None, help="write the raw results here")
+    parser.add_argument("--from-json", default=None, help="print the table of an earlier run")
+    args = parser.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as fh:
+            print(format_host(json.load(fh)))
+        return 0
+    fields: dict[str, Any] = {}
+    if args.quick:
+        fields.update(points=(50, 100), rounds=6, resamples=200)
+    if args.points:
+        fields["points"] = tuple(int(x) for x in args.points.split(","))
+    for name, value in (("rounds", args.rounds), ("cold_repeats", args.cold_repeats),
+                        ("torch_budget_s", args.torch_budget), ("torch_max", args.torch_max),
+                        ("clock", args.clock)):  # fmt: skip
+        if value is not None:
+            fields[name] = value
+    cfg = HostConfig(**fields)
+    try:
+        cfg.check()
+    except ValueError as exc:
+        print(f"bench_host: error: {exc}", file=sys.stderr)
+        return 2
+    result = run_host(cfg)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    print(format_host(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
