@@ -19,7 +19,8 @@ from shardscale.core._loop_kernels import LoopKernels
 
 def _tensors(dtype: torch.dtype) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    sizes = [5, 0, 1, 17, 3, 4096, 9, 0, 2, 6, 70_000, 8, 1]  # small, empty and two large
+    # small (more than the dozen that takes the segmented read), empty and two large
+    sizes = [5, 0, 1, 17, 3, 4096, 9, 0, 2, 6, 70_000, 8, 1, 33, 7, 12]
     return [(torch.randn(n, generator=gen) * 3).to(dtype) for n in sizes]
 
 
