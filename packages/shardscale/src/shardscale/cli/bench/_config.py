@@ -5,6 +5,10 @@ from __future__ import annotations
 import importlib.util
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ARMS",
@@ -59,6 +63,14 @@ class BenchConfig:
     def n_params(self) -> int:
         """Parameters of the benchmark model."""
         return self.blocks * (2 * self.width * self.hidden + self.width + self.hidden)
+
+    def torch_device(self) -> torch.device:
+        """This rank's device: its current GPU on ``cuda`` (set when the worker starts), else the CPU."""
+        import torch
+
+        if self.device == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def arms(self) -> tuple[str, ...]:
         """The arms this run measures."""

@@ -150,11 +150,7 @@ def run_config(cfg: BenchConfig, mesh_kind: str, opt_name: str) -> dict[str, Any
 
     world = dist.get_world_size()
     shape = mesh_shape(mesh_kind, world)
-    device = (
-        torch.device(cfg.device, torch.cuda.current_device())
-        if cfg.device == "cuda"
-        else torch.device("cpu")
-    )
+    device = cfg.torch_device()
     torch.manual_seed(0)
     base = Net(width=cfg.width, hidden=cfg.hidden, blocks=cfg.blocks).to(device)
     names = cfg.arms()

@@ -202,6 +202,8 @@ def _worker(rank: int, cfg: HostConfig, store: str, result_path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from shardscale.cli.bench._launch import exit_worker
+
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
@@ -236,9 +238,7 @@ def _worker(rank: int, cfg: HostConfig, store: str, result_path: str) -> None:
                     json.dump({"points": points, "growth": _growth(points, cfg)}, fh)
     finally:
         dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # gloo's threads sometimes abort interpreter shutdown; results are on disk
+    exit_worker()
 
 
 def run_host(cfg: HostConfig) -> dict[str, Any]:

@@ -8,14 +8,16 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from shardscale.cli.bench._config import BenchConfig, check_config
 
-__all__ = ["run_benchmark"]
+__all__ = ["exit_worker", "run_benchmark", "worker_group"]
 
 
 def _load() -> list[float] | None:
@@ -33,22 +35,12 @@ def _progress(rank: int, text: str) -> None:
 def _worker(rank: int, cfg: BenchConfig, store_path: str, result_path: str) -> None:
     import logging
 
-    import torch.distributed as dist
-
     from shardscale.cli.bench._harness import run_config
     from shardscale.cli.bench._scaling import run_scaling
 
     # DTensor warns on every multi-dim redistribute of torch's recipe; the table says it better.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.world_size)
-    torch.set_num_threads(threads)
-    backend = "nccl" if cfg.device == "cuda" else "gloo"
-    if cfg.device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend, init_method=f"file://{store_path}", rank=rank, world_size=cfg.world_size
-    )
-    try:
+    with worker_group(rank, cfg, store_path):
         started = time.perf_counter()
         rows = []
         for mesh in cfg.meshes if cfg.rows else ():
@@ -70,8 +62,32 @@ def _worker(rank: int, cfg: BenchConfig, store_path: str, result_path: str) -> N
             }
             with open(result_path, "w") as fh:
                 json.dump(result, fh)
+    exit_worker()
+
+
+@contextmanager
+def worker_group(rank: int, cfg: BenchConfig, store_path: str) -> Iterator[None]:
+    """One benchmark worker's threads, device and process group, torn down on the way out."""
+    import torch.distributed as dist
+
+    threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.world_size)
+    torch.set_num_threads(threads)
+    if cfg.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        "nccl" if cfg.device == "cuda" else "gloo",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=cfg.world_size,
+    )
+    try:
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def exit_worker() -> NoReturn:
+    """Leave a worker process once its results are on disk."""
     # gloo's background threads sometimes abort interpreter shutdown ("terminate called without
     # an active exception"); the results are on disk, so leave without running destructors.
     sys.stdout.flush()

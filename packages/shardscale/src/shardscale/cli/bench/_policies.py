@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -89,11 +88,7 @@ def _arm_steps(cfg: BenchConfig) -> dict[str, Any]:
     from shardscale.core import ShardedGradScaler
 
     world = dist.get_world_size()
-    device = (
-        torch.device(cfg.device, torch.cuda.current_device())
-        if cfg.device == "cuda"
-        else torch.device("cpu")
-    )
+    device = cfg.torch_device()
     torch.manual_seed(0)
     base = Net(width=cfg.width, hidden=cfg.hidden, blocks=cfg.blocks).to(device)
     options = _policy_options()
@@ -185,30 +180,15 @@ def _scaling(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _worker(rank: int, cfg: BenchConfig, store_path: str, result_path: str) -> None:
-    import torch.distributed as dist
+    from shardscale.cli.bench._launch import exit_worker, worker_group
 
-    threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.world_size)
-    torch.set_num_threads(threads)
-    if cfg.device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        "nccl" if cfg.device == "cuda" else "gloo",
-        init_method=f"file://{store_path}",
-        rank=rank,
-        world_size=cfg.world_size,
-    )
-    try:
+    with worker_group(rank, cfg, store_path):
         result = _arm_steps(cfg)
         if rank == 0:
             result["torch_num_threads"] = torch.get_num_threads()
             with open(result_path, "w") as fh:
                 json.dump(result, fh)
-    finally:
-        dist.destroy_process_group()
-    # As in _launch: gloo's threads may abort interpreter shutdown; the results are on disk.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_worker()
 
 
 def run_policies(cfg: BenchConfig) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from shardscale.cli.bench._stats import median
+from shardscale.core import MiddlewareBase
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -140,7 +141,7 @@ def norm_rtol(local_numel: int, terms: int, norm_type: float) -> float:
     return per_tensor + terms * u64 * 4 + u32
 
 
-class SimBackend:
+class SimBackend(MiddlewareBase):
     """The step's collective on the fake group, completed with a vector composed by hand.
 
     Wraps the c10d backend (rank, world size and group ranks come from the
@@ -152,7 +153,7 @@ class SimBackend:
     name: ClassVar[str] = "simulated"
 
     def __init__(self, inner: CollectiveBackend) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.reduced: torch.Tensor | None = None
         self.seen: torch.Tensor | None = None
         #: All-reduces issued through this backend (the step's one collective).
@@ -171,18 +172,6 @@ class SimBackend:
         if self.reduced is not None:
             tensor.copy_(self.reduced)  # what the real all-reduce would write
         return CompletedHandle()
-
-    def world_size(self, group: ProcessGroup | None) -> int:
-        """The fake group's size."""
-        return self.inner.world_size(group)
-
-    def rank(self, group: ProcessGroup | None) -> int:
-        """This process's rank in the fake group."""
-        return self.inner.rank(group)
-
-    def group_ranks(self, group: ProcessGroup | None) -> tuple[int, ...]:
-        """The fake group's ranks."""
-        return self.inner.group_ranks(group)
 
 
 # -- gradients ------------------------------------------------------------------------------------
