@@ -230,13 +230,23 @@ def _disagreeing_case(what: str) -> dict[str, Any]:
     elif what == "max_norm":
         kwargs["distinct_params"] = experts
         max_norm = 1.0 + rank
+    elif what == "spike":  # one threshold per rank: one rank would skip while the other steps
+        from shardscale.core import SpikeSkip
+
+        kwargs["distinct_params"] = experts
+        kwargs["spike"] = SpikeSkip(z=6.0 if rank == 0 else 3.0)
+    elif what == "max_consecutive_skips":  # one rank would stop while the other went on
+        kwargs["distinct_params"] = experts
+        kwargs["max_consecutive_skips"] = 10 + rank
     scaler = ShardedGradScaler("cpu", **kwargs)
     out = _attempt(lambda: scaler.unscale_(opt, max_norm=max_norm), params, scaler)
     out["collectives"] = len(scaler.backend.records)  # type: ignore[attr-defined]
     return out
 
 
-@pytest.mark.parametrize("what", ["distinct_params", "distinct_dims", "max_norm"])
+@pytest.mark.parametrize(
+    "what", ["distinct_params", "distinct_dims", "max_norm", "spike", "max_consecutive_skips"]
+)
 def test_ranks_that_declare_differently_all_raise(pool2: Pool, what: str) -> None:
     # Item 5: a wrong norm, identical on every rank and without a word, before.
     for res in pool2.run(_disagreeing_case, what, timeout=60):

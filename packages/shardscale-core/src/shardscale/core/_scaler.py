@@ -533,7 +533,11 @@ class ShardedGradScaler:
 
     def _verdict(self) -> Verdict:
         reason = SkipReason.OVERFLOW if self._loss_scaling else SkipReason.NONFINITE
-        return Verdict(nonfinite_reason=reason, spike=self._spike_window)
+        declared = (
+            f"loss_scaling={self._loss_scaling}, spike={self._spike!r}, "
+            f"max_consecutive_skips={self._streak.limit}"
+        )
+        return Verdict(nonfinite_reason=reason, spike=self._spike_window, declared=declared)
 
     # -- unscale -------------------------------------------------------------------------------
 

@@ -99,6 +99,10 @@ so the declarations are checked twice:
   all raise.
   Steps without a norm (``unscale_``, the fused check) fingerprint only that
   fact: their decision does not depend on declarations.
+  A scaler's step adds its skip policies to either (``loss_scaling``,
+  ``spike``, ``max_consecutive_skips``): every rank takes its verdict from
+  the same reduced vector, so ranks with different policies would take
+  different verdicts (one steps, one skips) and all raise instead.
 
 [Note: per-tensor norms without overflow]
 For p = 1 and p = 2 a tensor's norm is one read, accumulated in float32
@@ -646,7 +650,7 @@ def _check(
             local.plan = build_plan(
                 items, local.buckets, trace, key=key, catalog=catalog, as_grads=request.as_grads
             )
-        local.declarations = _declarations(local, items, config)
+        local.declarations = _declarations(local, items, config, request.verdict)
     except Exception as exc:
         local.record(exc)
         return
@@ -735,10 +739,14 @@ def _check_distinct_params(
             )
 
 
-def _declarations(local: _Local, items: Sequence[torch.Tensor], config: StepConfig) -> str:
+def _declarations(
+    local: _Local, items: Sequence[torch.Tensor], config: StepConfig, verdict: Verdict | None
+) -> str:
     """What must agree across the ranks of this step (see [Note: declarations])."""
+    # The scaler's skip policies decide on the same reduced vector everywhere: they must agree.
+    policies = f", {verdict.declared}" if verdict is not None and verdict.declared else ""
     if local.norm_type is None:
-        return "no norm"
+        return "no norm" + policies
     if local.world <= 1:
         return "one rank"  # nothing to agree with; spares the walk below
     plan = local.plan
@@ -751,7 +759,7 @@ def _declarations(local: _Local, items: Sequence[torch.Tensor], config: StepConf
             plan.remember_replicas(items, positions, listing)
     return (
         f"distinct_dims={sorted(config.distinct_dims)}, norm_type={local.norm_type}, "
-        f"max_norm={local.max_norm}, replicated plain tensors [{listing}]"
+        f"max_norm={local.max_norm}, replicated plain tensors [{listing}]{policies}"
     )
 
 

@@ -236,9 +236,10 @@ def _raise_declaration_mismatch(prints: Sequence[float], rank: int, declarations
     listing = " vs ".join(f"ranks {ranks}" for ranks in groups.values())
     raise DeclarationError(
         f"the ranks of this step declared different things ({listing} agree among "
-        f"themselves); a norm combined from them would be wrong, so every rank stops, nothing "
-        f"changed. This rank ({rank}) has: {declarations}. Every rank must pass the same "
-        "distinct_dims, norm_type and max_norm and hold the same replicated plain tensors: "
+        f"themselves); a norm or verdict combined from them would be wrong, so every rank "
+        f"stops, nothing changed. This rank ({rank}) has: {declarations}. Every rank must pass "
+        "the same distinct_dims, norm_type and max_norm, build its scaler with the same "
+        "loss_scaling, spike and max_consecutive_skips, and hold the same replicated plain tensors: "
         "declare the plain tensors a rank holds its own of (experts) in distinct_params on "
         "that rank, or '*' in distinct_dims when every plain tensor differs per rank "
         "(pipeline stages). Compare this message across ranks."

@@ -271,6 +271,9 @@ class Verdict:
     nonfinite_reason: SkipReason = SkipReason.NONFINITE
     #: The spike test's window, or None.
     spike: SpikeWindow | None = None
+    #: The policies as text, for the step's declarations fingerprint: ranks whose policies
+    #: differ would take different verdicts on the same reduced vector, so they all raise.
+    declared: str = ""
 
 
 @functools.lru_cache(maxsize=32)
