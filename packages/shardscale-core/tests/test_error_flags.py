@@ -1,10 +1,12 @@
-"""The one flag a rank reads on the host after each step, instead of the W status slots.
+"""The one number a rank reads on the host after each step, instead of the W status slots.
 
-ErrorBlocks reads it from the decision's flags (``_step_arith.summarize``), computed on the
-vector's device; the W-slot block is read only when it is set (see [Note: errors that reach
-every rank]). Each rank's status packs its error code with its chain and declarations
-fingerprints into one float64; the vectors here are written slot by slot through VectorLayout,
-as W ranks' SUM would leave them.
+ErrorBlocks reads the step's reason, computed on the vector's device by comparing the reduced
+vector with what this rank expects (``_step_arith.probe``/``reason_into``): every status equal
+to its own, or -1 when it failed itself. The W-slot block is read only when a rank failed or
+ranks disagree (see [Note: errors that reach every rank]). Each rank's status packs its error
+code with its chain and declarations fingerprints into one float64; the vectors here are
+written slot by slot through VectorLayout, as W ranks' SUM would leave them, and each rank's
+view of the same vector must give the same answer.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import pytest
 import torch
 
 from shardscale.core import VectorLayout
-from shardscale.core._step_arith import summarize
+from shardscale.core._step_arith import probe, reason_into
 from shardscale.core._step_errors import ERROR_KINDS, ErrorBlocks, fingerprint
 from shardscale.core._step_vector import pack_status, unpack_status
+from shardscale.core._verdict import SkipReason
 
 WORLD = 5
 
@@ -37,9 +40,21 @@ def _reduced(
     return vec
 
 
-def _blocks(vec: torch.Tensor) -> ErrorBlocks:
+def _views(vec: torch.Tensor, codes: dict[int, int] | None = None) -> list[ErrorBlocks]:
+    """Each rank's ErrorBlocks of the reduced ``vec`` (a rank with a code failed itself)."""
     layout = VectorLayout(WORLD)
-    return ErrorBlocks(vec, layout, summarize(vec, layout).flags)
+    error = int(SkipReason.ERROR)
+    views = []
+    for rank in range(WORLD):
+        own = -1.0 if (codes or {}).get(rank) else float(vec[layout.slot("status", rank)])
+        found = probe(WORLD, own, (("status", error),), vec.device)
+        reason = reason_into(vec, found, out=None)
+        views.append(ErrorBlocks(vec, layout, reason, failed_at=error))
+    return views
+
+
+def _blocks(vec: torch.Tensor) -> ErrorBlocks:
+    return _views(vec)[0]
 
 
 @pytest.mark.parametrize(
@@ -58,10 +73,10 @@ def _blocks(vec: torch.Tensor) -> ErrorBlocks:
 def test_the_flag_says_whether_a_rank_failed_or_ranks_disagree(
     kwargs: dict[str, dict[int, float]], want: bool
 ) -> None:
-    errors = _blocks(_reduced(**kwargs))
-    assert errors.read_failed(wait=False) is want
-    assert errors.read_failed(wait=True) is want
-    assert not errors.on_device and errors.arrived()
+    for errors in _views(_reduced(**kwargs), kwargs.get("codes")):  # type: ignore[arg-type]
+        assert errors.read_failed(wait=False) is want
+        assert errors.read_failed(wait=True) is want
+        assert not errors.on_device and errors.arrived()
 
 
 def test_blocks_are_decoded_by_name_on_the_failure_path() -> None:

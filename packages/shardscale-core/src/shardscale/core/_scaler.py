@@ -166,7 +166,12 @@ def _nonfinite_per_rank(
 ) -> torch.Tensor | None:
     # Each engine step's reduced vector already holds every rank's count of non-finite
     # gradients (see [Note: localisation rides on the step's read]): a slice, no host read.
-    counts = [r.vector[r.layout.block("nonfinite")] for _, r in iteration]
+    counts = [
+        r.nonfinite_block
+        if r.nonfinite_block is not None
+        else r.vector[r.layout.block("nonfinite")]
+        for _, r in iteration
+    ]
     if not counts or len({c.shape for c in counts}) != 1:
         return None
     return counts[0] if len(counts) == 1 else torch.stack(counts).sum(dim=0)
@@ -943,7 +948,7 @@ class ShardedGradScaler:
         if self._spike_window is not None:
             norms = [r.norm for _, r in self._iteration if r.norm is not None]
             if norms:  # the window keeps accepted norms only
-                self._spike_window.accept(~self._last_skipped, norms[-1])
+                self._spike_window.accept(reason, norms[-1])
         poll_errors()  # an accelerator step's error that already arrived surfaces here, no sync
         self._optimizers_known = bool(self._optimizers)
         self._per_optimizer_states = defaultdict(_OptimizerState)

@@ -141,7 +141,15 @@ from shardscale.core._errors import DeclarationError
 from shardscale.core._gradients import GradBuckets, Traced, collect_grads
 from shardscale.core._plain_adapter import PlainTensorAdapter
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, Handle, ReduceOp
-from shardscale.core._step_arith import TINY64, fill_local, summarize
+from shardscale.core._step_arith import (
+    TINY64,
+    constant,
+    fill_local,
+    fresh_outputs,
+    global_norm,
+    probe,
+    reason_into,
+)
 from shardscale.core._step_errors import (
     ErrorBlocks,
     GradientDeviceError,
@@ -165,7 +173,7 @@ from shardscale.core._step_plan import (
     warm_buckets,
 )
 from shardscale.core._step_vector import VectorLayout, pack_status
-from shardscale.core._verdict import SkipReason, Verdict, finish_verdict, skip_reason
+from shardscale.core._verdict import SkipReason, Verdict
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -322,6 +330,8 @@ class StepResult:
     #: must not step (float32, what fused optimizers test), and the ``SkipReason`` (int64).
     skip: torch.Tensor | None = None
     skip_reason: torch.Tensor | None = None
+    #: The reduced vector's per-rank ``nonfinite`` block, when the decision already made the view.
+    nonfinite_block: torch.Tensor | None = None
     _errors: ErrorBlocks | None = None
     _raised: bool = False
     _complete: Callable[[], None] | None = None
@@ -479,16 +489,23 @@ def run_step(
         local = _collect(items, config, request)
         _check(local, items, config, request)
         device = _result_device(request.scale, local.buckets, items, as_grads=request.as_grads)
-        inv_scale = _inv_scale(request)
+        # Only the unscale kernel and the multiply need 1/scale; the decision divides by it.
+        needs_inv = request.apply in (Apply.UNSCALE, Apply.MULTIPLY)
+        inv_scale = _inv_scale(request) if needs_inv else None
         reading = _read(local, request, inv_scale=inv_scale, device=device)
         result, handle = _reduce(
-            local, reading, config, device=device, loss_nonfinite=request.loss_nonfinite
+            local,
+            reading,
+            config,
+            device=device,
+            loss_nonfinite=request.loss_nonfinite,
+            lazy=request.lazy,
         )
         result.owners = _owners(local)
 
         def complete() -> None:
             _wait(handle)
-            _decide(result, local, request, inv_scale=inv_scale)
+            _decide(result, local, request)
             if not request.defer_errors:
                 result.raise_errors(wait=False)
 
@@ -958,6 +975,7 @@ def _reduce(
     *,
     device: torch.device,
     loss_nonfinite: torch.Tensor | None = None,
+    lazy: bool = False,
 ) -> tuple[StepResult, Handle]:
     """Fill this rank's slots of the vector and issue the step's one all-reduce."""
     if config.verify_chain:
@@ -967,10 +985,11 @@ def _reduce(
         reading, local, device=device, chain=chain, loss_nonfinite=loss_nonfinite
     )
     handle = _issue(vec, config)
+    found_inf, skip, coef = fresh_outputs(device)
     result = StepResult(
-        found_inf=torch.zeros((), dtype=torch.float32, device=device),
+        found_inf=found_inf,
         norm=None,
-        coef=torch.ones((), dtype=torch.float32, device=device),
+        coef=coef,
         grad_scale=None,
         device=device,
         vector=vec,
@@ -982,8 +1001,8 @@ def _reduce(
         declarations=local.declarations,
         finite=finite,
         # Filled by the decision; allocated now so that a lazy step's caller can hold them.
-        skip=torch.zeros((), dtype=torch.float32, device=device),
-        skip_reason=torch.zeros((), dtype=torch.int64, device=device),
+        skip=skip,
+        skip_reason=torch.zeros((), dtype=torch.int64, device=device) if lazy else None,
     )
     return result, handle
 
@@ -1008,7 +1027,10 @@ def _local_vector(
         n = _joined(reading.counted_norms).nan_to_num(0.0, 0.0, 0.0)  # finite ones only
         peak = slots["peak"] = n.amax()
         if not math.isinf(p):
-            slots["scaled_sum"] = (n / peak.clamp(min=TINY64)).pow(p).sum()
+            # The floored peak is written: the decision divides by the largest (global_norm).
+            peak = slots["peak"] = peak.clamp(min=TINY64)
+            ratio = n / peak
+            slots["scaled_sum"] = torch.dot(ratio, ratio) if p == 2.0 else ratio.pow(p).sum()
     finite = None
     counts: list[torch.Tensor] = []
     if reading.every_norms:
@@ -1026,10 +1048,18 @@ def _local_vector(
         if observed.device != device:
             observed = observed.to(device, non_blocking=True)
         shared["loss_nonfinite"] = observed != 0
-    status = pack_status(local.code, fingerprint(chain), fingerprint(local.declarations))
+    status = _status(local, chain)
     layout = VectorLayout(local.world)
-    vec = fill_local(layout, local.rank, device, slots=slots, shared=shared, status=status)
+    floor = p is not None and not math.isinf(p)
+    vec = fill_local(
+        layout, local.rank, device, slots=slots, shared=shared, status=status, peak_floor=floor
+    )
     return vec, finite
+
+
+def _status(local: _Local, chain: str) -> float:
+    """This rank's packed ``status`` slot (see [Note: the reduced vector])."""
+    return pack_status(local.code, fingerprint(chain), fingerprint(local.declarations))
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -1063,50 +1093,66 @@ def _wait(handle: Handle) -> None:
 # -- 5. decide -----------------------------------------------------------------------------------
 
 
-def _decide(
-    result: StepResult, local: _Local, request: StepRequest, *, inv_scale: torch.Tensor | None
-) -> None:
-    """found_inf, norm, coef and grad_scale from the reduced vector, identical on every rank."""
+def _decide(result: StepResult, local: _Local, request: StepRequest) -> None:
+    """found_inf, norm, coef, grad_scale and the verdict from the reduced vector, identical on
+    every rank, in a fixed handful of device ops (see [Note: the step's fixed cost] in
+    ``_step_arith``)."""
     vec, layout = result.vector, result.layout
-    p, max_norm, scale = local.norm_type, local.max_norm, request.scale
-    summary = summarize(vec, layout)
-    result._errors = ErrorBlocks(vec, layout, summary.flags)
-    assert result.skip is not None and result.skip_reason is not None
-    # Every reason but a spike, from the flags at once; a non-finite gradient, an error or a
-    # disagreement on any rank (the reasons from NONFINITE up): nothing is stepped on.
-    reason = skip_reason(summary.flags, summary.names, request.verdict, out=result.skip_reason)
-    bad = reason >= int(SkipReason.NONFINITE)
-    result.found_inf.copy_(bad)
+    p, max_norm, scale, verdict = local.norm_type, local.max_norm, request.scale, request.verdict
+    assert result.skip is not None
+    spike = verdict.spike if verdict is not None and p is not None else None
+    # -1 matches no status: a rank that failed sets the flag itself (see Probe).
+    own = -1.0 if local.error is not None else _status(local, result.chain)
+    found = probe(layout.world, own, _weights(verdict, spike=spike is not None), vec.device)
+    value = None
     if p is not None:
-        top = summary.hi[0]
-        if math.isinf(p):
-            value = top
-        else:
-            peaks, sums = summary.blocks.unbind()[:2]
-            total = (sums * (peaks / top.clamp(min=TINY64)).pow(p)).sum()
-            value = top * total.pow(1.0 / p)
-        if inv_scale is not None:
-            value = value * inv_scale.to(torch.float64)
+        value, blocks = global_norm(vec, layout, p, scale=scale)
+        result.nonfinite_block = blocks[layout.PER_RANK.index("nonfinite")]
+        if spike is not None:
+            # Its flag is weighted in the reason: a spike skips unless a stronger reason does.
+            spike.is_spike(value, out=found.spike)
+    reason = reason_into(vec, found, out=result.skip_reason)
+    result.skip_reason = reason
+    result._errors = ErrorBlocks(vec, layout, reason, failed_at=int(SkipReason.ERROR))
+    # A non-finite gradient, an error or a disagreement on any rank: nothing is stepped on.
+    bad = reason >= int(SkipReason.NONFINITE)
+    torch.ge(reason, int(SkipReason.NONFINITE), out=result.found_inf)
+    if value is not None:
+        nonfinite = torch.where(found.nan, math.nan, math.inf)
+        norm = torch.where(bad, nonfinite, value)
         # float64 when this rank reads float64 gradients, as torch; decided locally (no host
         # read of the vector), so ranks agree whenever they hold the same parameter dtypes.
         f64 = any(dtype is torch.float64 for _, dtype in local.buckets.every)
-        nonfinite = torch.where(summary.flag("nan"), math.nan, math.inf)
-        norm = torch.where(bad, nonfinite, value)
         result.norm = norm if f64 else norm.to(torch.float32)
         if not math.isinf(max_norm):
-            norm64 = result.norm if f64 else result.norm.to(torch.float64)
-            clip = (max_norm / (norm64 + EPS)).clamp(max=1.0)
-            if scale is not None:
-                # With a scaler an overflow step is skipped: leave the grads as unscale_ would.
-                clip = torch.where(bad, 1.0, clip)
-            result.coef = clip.to(torch.float32)
+            # In float64 from the reported norm (float32 + float64 0-dim tensors: float64).
+            clip = constant(max_norm, vec.device) / (result.norm + constant(EPS, vec.device))
+            # As torch's clip_grad_norm_, a nan norm gives a nan coefficient (minimum keeps it).
+            if scale is None:
+                torch.minimum(clip, constant(1.0, vec.device), out=result.coef)
+            else:
+                # With a scaler an overflow step is skipped: leave the grads as unscale_ would
+                # (found_inf is 1 then; fmax takes it over a coefficient of 0 or nan).
+                clip = torch.minimum(clip, constant(1.0, vec.device))
+                torch.fmax(clip, result.found_inf, out=result.coef)
     if request.apply is Apply.FUSED:
         assert scale is not None
         coef = result.coef if result.coef.device == scale.device else result.coef.to(scale.device)
         result.grad_scale = scale / coef
-    finish_verdict(result.skip_reason, result.skip, norm=result.norm, verdict=request.verdict)
+    torch.gt(reason, 0, out=result.skip)
     if result._errors.on_device:
         add_pending(result)
+
+
+def _weights(verdict: Verdict | None, *, spike: bool) -> tuple[tuple[str, int], ...]:
+    """What each flag of the reduced vector weighs in the reason (see ``_step_arith.Probe``)."""
+    kind = verdict.nonfinite_reason if verdict is not None else SkipReason.NONFINITE
+    weights = [("nonfinite", int(kind)), ("status", int(SkipReason.ERROR))]
+    if verdict is not None:  # a clip call alone does not skip for a loss it never saw
+        weights.append(("loss_nonfinite", int(SkipReason.LOSS)))
+    if spike:
+        weights.append(("spike", int(SkipReason.SPIKE)))
+    return tuple(weights)
 
 
 # -- 6. apply ------------------------------------------------------------------------------------

@@ -126,10 +126,11 @@ class ErrorBlocks:
     """The host's view of a reduced vector's ``status`` block, started right after the reduce.
 
     The same path on every device, and never a device-to-host sync. The
-    success path reads one flag on the host, whatever the world size,
-    computed on the device from the block (any rank failed, or ranks' chain
-    or declaration fingerprints differ: ``Summary.flag("status")``). The W
-    slots themselves are turned into Python numbers only when it is set
+    success path reads one number on the host, whatever the world size: the
+    step's reason (``_verdict.SkipReason``, computed on the device from the
+    vector), which is ``failed_at`` or more exactly when a rank failed or ranks'
+    chain or declaration fingerprints differ (``_step_arith.Probe``). The W
+    slots themselves are turned into Python numbers only then
     (:meth:`read`): at 10^5 ranks reading them on every step cost more host
     time than the rest of the step (docs/benchmark.md, the scale table). On
     a GPU both are copied into pinned host memory asynchronously, so the
@@ -138,12 +139,14 @@ class ErrorBlocks:
 
     __slots__ = ("_at", "_blocks", "_flags", "_vector", "layout")
 
-    def __init__(self, vector: torch.Tensor, layout: VectorLayout, flags: torch.Tensor) -> None:
-        """``flags``: the decision's flags (``Summary.flags``), whose ``status`` entry is read."""
+    def __init__(
+        self, vector: torch.Tensor, layout: VectorLayout, reason: torch.Tensor, *, failed_at: int
+    ) -> None:
+        """``reason``: the step's 0-dim reason; ``failed_at``: the reason an error gives."""
         self.layout = layout
-        self._at = layout.PER_RANK.index("status")
-        # Flags first, blocks second: once the blocks' copy has landed, so have the flags.
-        self._flags = HostCopy(flags)
+        self._at = failed_at
+        # The reason first, blocks second: once the blocks' copy has landed, so has the reason.
+        self._flags = HostCopy(reason)
         self._vector = vector
         # Off an accelerator the block is read where it is, only on the failure path.
         on_host = vector.device.type == "cpu"
@@ -162,7 +165,7 @@ class ErrorBlocks:
         """Whether a rank failed or ranks disagree; None if not ``wait`` and the copy is still on
         its way."""
         got = self._flags.read(wait=wait)
-        return None if got is None else bool(got[self._at])
+        return None if got is None else got[0] >= self._at
 
     def read(self, *, wait: bool) -> dict[str, list[float]] | None:
         """The ``error``, ``chain`` and ``declarations`` of every rank, decoded from ``status``,

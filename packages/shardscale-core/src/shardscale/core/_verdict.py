@@ -38,6 +38,7 @@ import torch
 
 from shardscale.core._errors import SkipStreakError
 from shardscale.core._host_copy import HostCopy
+from shardscale.core._step_arith import constant
 
 __all__ = [
     "SkipReason",
@@ -45,8 +46,6 @@ __all__ = [
     "SpikeSkip",
     "SpikeWindow",
     "Verdict",
-    "finish_verdict",
-    "skip_reason",
 ]
 
 
@@ -149,19 +148,32 @@ class SpikeSkip:
 class SpikeWindow:
     """The rolling window of accepted norms, on the device: a ring buffer and a count.
 
-    Fed by :meth:`accept` with the reduced norm after each verdict, so every
-    rank holds the same window. Until :meth:`materialize` places it on a device
-    (beside the scale), its content lives on the host (a checkpoint loaded
-    before the first step).
+    Fed by :meth:`accept` after each verdict, so every rank holds the same
+    window. Until :meth:`materialize` places it on a device (beside the
+    scale), its content lives on the host (a checkpoint loaded before the
+    first step).
+
+    [Note: the spike window in few ops]
+    The ring is row 0 of a (reasons x window) buffer and the count entry 0 of a
+    per-reason counter: :meth:`accept` writes the norm at row ``reason``, column
+    ``count % window``, and adds 1 to counter ``reason``, so a skipped step
+    writes into a row nobody reads and no ``where`` picks the row (three ops).
+    The statistics are one ``var_mean`` over the whole ring, whose unfilled
+    slots are 0, turned into the held values' mean and unbiased variance with
+    coefficients looked up by the count (:meth:`_tables`: ``w / n`` and
+    ``z * sqrt(w / (n - 1))``, or a threshold of inf before the warmup):
+    with ``m``, ``v`` the ring's mean and biased variance, the ``n`` held
+    values have mean ``(w/n) m`` and ``Σ (x - mean)^2 = w (v + m^2 - (w/n) m^2)``.
     """
 
-    __slots__ = ("_host", "_slots", "buffer", "count", "policy")
+    __slots__ = ("_host", "_rows", "_tables", "buffer", "count", "policy")
 
     def __init__(self, policy: SpikeSkip) -> None:
         self.policy = policy
         self.buffer: torch.Tensor | None = None
         self.count: torch.Tensor | None = None
-        self._slots: torch.Tensor | None = None  # arange(window), for the held mask
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # ring rows, counters
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self._host: tuple[list[float], int] = ([], 0)
 
     def materialize(self, device: torch.device) -> None:
@@ -170,58 +182,77 @@ class SpikeWindow:
             return
         values, count = self._host
         size = self.policy.window
-        buffer = torch.zeros(size, dtype=torch.float64)
+        rows = torch.zeros(len(SkipReason), size, dtype=torch.float64)
         # The i-th of the last n accepted norms sits where the ring put it: (count - n + i) % size.
         for i, value in enumerate(values):
-            buffer[(count - len(values) + i) % size] = value
-        self.buffer = buffer.to(device)
-        self.count = torch.tensor(count, dtype=torch.int64, device=device)
+            rows[0, (count - len(values) + i) % size] = value
+        counters = torch.zeros(len(SkipReason), dtype=torch.int64)
+        counters[0] = count
+        self._rows = (rows.to(device), counters.to(device))
+        self.buffer, self.count = self._rows[0][0], self._rows[1][0]
+        self._tables = self._coefficients(device)
 
-    def is_spike(self, norm: torch.Tensor) -> torch.Tensor:
-        """Whether ``norm`` (0-dim, finite or not) is a spike: a 0-dim bool tensor, no host read.
+    def _coefficients(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        # Indexed by min(count, last): the held count is min(count, window), armed from
+        # armed_after on; ``last`` is the first count at which both are settled.
+        policy, size = self.policy, self.policy.window
+        last = max(size, policy.armed_after)
+        mean_of, spread_of = [], []
+        for count in range(last + 1):
+            held = min(count, size)
+            armed = count >= policy.armed_after and held >= 1
+            mean_of.append(size / held if armed else math.inf)
+            z = policy.z if policy.z is not None else 0.0
+            spread_of.append(z * math.sqrt(size / (held - 1)) if armed and held > 1 else 0.0)
+        return (
+            torch.tensor(mean_of, dtype=torch.float64).to(device),
+            torch.tensor(spread_of, dtype=torch.float64).to(device),
+        )
+
+    def is_spike(self, norm: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Whether ``norm`` (0-dim) is a spike, into ``out`` if given: no host read.
 
         The tests combine into one threshold (a norm above the smallest is above one of
-        them); every threshold is >= 0, so a non-finite norm, read as 0, is never a spike.
+        them). A nan norm is never a spike; an inf one is, which changes nothing: its step
+        is skipped for its non-finite gradient, the stronger reason.
         """
-        assert self.buffer is not None and self.count is not None
+        assert self.buffer is not None and self.count is not None and self._tables is not None
         policy = self.policy
-        value = norm if norm.dtype is torch.float64 else norm.to(torch.float64)
-        value = value.nan_to_num(0.0, 0.0, 0.0)
         threshold: torch.Tensor | float = math.inf
         if policy.z is not None or policy.ratio is not None:
-            size = policy.window
-            held = self.count.clamp(max=size)
-            n = held.to(torch.float64).clamp(min=1.0)
-            # The ring fills slots 0, 1, ... first, so slots past ``held`` still hold zeros:
-            # the sum of the held norms is the buffer's sum.
-            mean = self.buffer.sum() / n
+            mean_of, spread_of = self._tables
+            at = self.count.clamp(max=mean_of.numel() - 1)
+            var, ring_mean = torch.var_mean(self.buffer, correction=0)
+            # Before the warmup the factor is inf: the threshold is inf (or nan: no spike).
+            mean = torch.take(mean_of, at) * ring_mean
             limits = []
             if policy.z is not None:
-                if self._slots is None or self._slots.device != value.device:
-                    self._slots = torch.arange(size, device=value.device)
-                deviation = (self.buffer - mean) * (self._slots < held)
-                var = deviation.square().sum() / (n - 1.0).clamp(min=1.0)
-                limits.append(mean + policy.z * var.sqrt())
+                spread = torch.addcmul(var, ring_mean, ring_mean)
+                # Rounding can take an all-equal window's spread a hair below 0.
+                spread = torch.addcmul(spread, mean, ring_mean, value=-1.0).clamp_(min=0.0)
+                limits.append(torch.addcmul(mean, torch.take(spread_of, at), spread.sqrt()))
             if policy.ratio is not None:
                 limits.append(policy.ratio * mean)
-            relative = limits[0] if len(limits) == 1 else torch.minimum(*limits)
-            # Relative tests wait for the warmup: until then their threshold is inf.
-            threshold = relative.masked_fill(self.count < policy.armed_after, math.inf)
+            threshold = limits[0] if len(limits) == 1 else torch.minimum(*limits)
         if policy.max_norm_abs is not None:
             if isinstance(threshold, torch.Tensor):
-                threshold = threshold.clamp(max=policy.max_norm_abs)
+                # fmin: an unarmed (nan) relative threshold leaves the absolute one.
+                threshold = torch.fmin(threshold, constant(policy.max_norm_abs, norm.device))
             else:
                 threshold = policy.max_norm_abs
-        return value > threshold
+        if out is None:
+            return norm > threshold
+        return torch.gt(norm, threshold, out=out)
 
-    def accept(self, taken: torch.Tensor, norm: torch.Tensor) -> None:
-        """Put ``norm`` in the window if the step was ``taken`` (device ops only)."""
-        assert self.buffer is not None and self.count is not None
-        # A 1-element index tensor: indexing with a 0-dim one would read it on the host.
-        at = self.count.remainder(self.policy.window).reshape(1)
+    def accept(self, reason: torch.Tensor, norm: torch.Tensor) -> None:
+        """Put ``norm`` in the window if the step was taken (its 0-dim ``reason`` is
+        ``SkipReason.NONE``): three device ops, see [Note: the spike window in few ops]."""
+        assert self._rows is not None and self.count is not None
+        rows, counters = self._rows
+        at = self.count.remainder(self.policy.window)
         value = norm if norm.dtype is torch.float64 else norm.to(torch.float64)
-        self.buffer.index_put_((at,), torch.where(taken, value, self.buffer.index_select(0, at)))
-        self.count += taken
+        rows.index_put_((reason, at), value)
+        counters.index_put_((reason,), _one(counters.device), accumulate=True)
 
     def state(self) -> tuple[list[float], int]:
         """The accepted norms held, oldest first, and how many were accepted (a host read)."""
@@ -240,7 +271,13 @@ class SpikeWindow:
         if self.buffer is not None:
             device = self.buffer.device
             self.buffer = self.count = None
+            self._rows = None
             self.materialize(device)
+
+
+@functools.lru_cache(maxsize=8)
+def _one(device: torch.device) -> torch.Tensor:
+    return torch.ones((), dtype=torch.int64, device=device)
 
 
 def validate_spike_state(state: Mapping[str, Any]) -> tuple[list[float], int] | None:
@@ -274,45 +311,6 @@ class Verdict:
     #: The policies as text, for the step's declarations fingerprint: ranks whose policies
     #: differ would take different verdicts on the same reduced vector, so they all raise.
     declared: str = ""
-
-
-@functools.lru_cache(maxsize=32)
-def _weights(
-    names: tuple[str, ...], nonfinite: SkipReason, scaler: bool, device: torch.device
-) -> torch.Tensor:
-    reasons = {"nonfinite": nonfinite, "status": SkipReason.ERROR}
-    if scaler:  # a clip call alone does not skip for a loss it never saw
-        reasons["loss_nonfinite"] = SkipReason.LOSS
-    return torch.tensor([int(reasons.get(n, 0)) for n in names], dtype=torch.int64).to(device)
-
-
-def skip_reason(
-    flags: torch.Tensor, names: tuple[str, ...], verdict: Verdict | None, *, out: torch.Tensor
-) -> torch.Tensor:
-    """Every reason but a spike, into ``out`` (0-dim int64): two device ops, no host read.
-
-    ``flags`` are the reduced vector's (``_step_arith.Summary``), one bool per
-    name: ``nonfinite`` (any rank held a non-finite gradient), ``status`` (a
-    rank failed or ranks disagree), ``loss_nonfinite``. Each maps to its
-    reason and the step's reason is the largest (see :class:`SkipReason`).
-    Without a ``verdict`` (a clip call) only errors and non-finite gradients count.
-    """
-    kind = verdict.nonfinite_reason if verdict is not None else SkipReason.NONFINITE
-    weights = _weights(names, kind, verdict is not None, flags.device)
-    return torch.amax(flags * weights, dim=0, out=out)
-
-
-def finish_verdict(
-    reason: torch.Tensor, skip: torch.Tensor, *, norm: torch.Tensor | None, verdict: Verdict | None
-) -> None:
-    """Add the spike test to ``reason`` (in place) and set ``skip`` (float32 0/1, what
-    optimizers test) from it; ``norm`` is the step's global norm (None: no spike test)."""
-    if verdict is not None and verdict.spike is not None and norm is not None:
-        spike = verdict.spike.is_spike(norm)
-        if spike.device != reason.device:
-            spike = spike.to(reason.device)
-        torch.maximum(reason, spike, out=reason)
-    torch.gt(reason, 0, out=skip)
 
 
 class SkipStreak:
