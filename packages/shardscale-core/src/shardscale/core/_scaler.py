@@ -945,10 +945,9 @@ class ShardedGradScaler:
             self._update_scale(scale, tracker, found)
         self._last_skipped = skip > 0
         self._last_reason = reason
-        if self._spike_window is not None:
-            norms = [r.norm for _, r in self._iteration if r.norm is not None]
-            if norms:  # the window keeps accepted norms only
-                self._spike_window.accept(reason, norms[-1])
+        # The window keeps accepted norms only: the last one this iteration's step tested.
+        if self._spike_window is not None and any(r.norm is not None for _, r in self._iteration):
+            self._spike_window.accept(reason)
         poll_errors()  # an accelerator step's error that already arrived surfaces here, no sync
         self._optimizers_known = bool(self._optimizers)
         self._per_optimizer_states = defaultdict(_OptimizerState)

@@ -166,7 +166,7 @@ class SpikeWindow:
     values have mean ``(w/n) m`` and ``Σ (x - mean)^2 = w (v + m^2 - (w/n) m^2)``.
     """
 
-    __slots__ = ("_host", "_rows", "_tables", "buffer", "count", "policy")
+    __slots__ = ("_host", "_rows", "_tables", "_tested", "buffer", "count", "policy")
 
     def __init__(self, policy: SpikeSkip) -> None:
         self.policy = policy
@@ -174,6 +174,7 @@ class SpikeWindow:
         self.count: torch.Tensor | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # ring rows, counters
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._tested: torch.Tensor | None = None  # the last norm is_spike tested, float64
         self._host: tuple[list[float], int] = ([], 0)
 
     def materialize(self, device: torch.device) -> None:
@@ -218,6 +219,8 @@ class SpikeWindow:
         """
         assert self.buffer is not None and self.count is not None and self._tables is not None
         policy = self.policy
+        # What accept() puts in the window if the step is taken (the engine passes float64).
+        self._tested = norm if norm.dtype is torch.float64 else norm.to(torch.float64)
         threshold: torch.Tensor | float = math.inf
         if policy.z is not None or policy.ratio is not None:
             mean_of, spread_of = self._tables
@@ -244,14 +247,16 @@ class SpikeWindow:
             return norm > threshold
         return torch.gt(norm, threshold, out=out)
 
-    def accept(self, reason: torch.Tensor, norm: torch.Tensor) -> None:
-        """Put ``norm`` in the window if the step was taken (its 0-dim ``reason`` is
-        ``SkipReason.NONE``): three device ops, see [Note: the spike window in few ops]."""
+    def accept(self, reason: torch.Tensor) -> None:
+        """Put the norm :meth:`is_spike` last tested (the step's global norm, in float64) in the
+        window if the step was taken (its 0-dim ``reason`` is ``SkipReason.NONE``): three device
+        ops, see [Note: the spike window in few ops]."""
         assert self._rows is not None and self.count is not None
+        if self._tested is None:  # no step of this scaler tested a norm yet
+            return
         rows, counters = self._rows
         at = self.count.remainder(self.policy.window)
-        value = norm if norm.dtype is torch.float64 else norm.to(torch.float64)
-        rows.index_put_((reason, at), value)
+        rows.index_put_((reason, at), self._tested)
         counters.index_put_((reason,), _one(counters.device), accumulate=True)
 
     def state(self) -> tuple[list[float], int]:
