@@ -215,6 +215,59 @@ def test_spike_decisions_and_weights_equal_a_reference_that_steps_on_taken_steps
     assert window == pytest.approx(accepted[-policy["window"] :], rel=1e-6)
 
 
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {"z": 6.0, "window": 16, "warmup": 5},  # armed while the window fills
+        {"z": 2.0, "ratio": 1.5, "window": 8, "warmup": 2},
+        {"z": 3.0, "max_norm_abs": 9.0, "window": 4, "warmup": 6},  # armed only once full
+    ],
+)
+def test_the_threshold_through_the_window_filling_equals_the_reference(
+    policy: dict[str, Any],
+) -> None:
+    """Norms just below and just above the documented threshold, at every count from empty
+    to a full and turning window: the window's statistics (one var_mean and coefficients per
+    count) match statistics.fmean/stdev of the held norms to within their rounding."""
+    from shardscale.core._verdict import SpikeWindow
+
+    window = SpikeWindow(SpikeSkip(**policy))
+    window.materialize(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(7)
+    # Norms near 3 with a small spread: the spread is what a partial window's arithmetic
+    # could lose to cancellation, so a 1e-6 relative margin around the threshold tests it.
+    norms = (3.0 + 0.05 * torch.randn(3 * policy["window"], generator=gen)).tolist()
+    accepted: list[float] = []
+    taken = torch.tensor(int(SkipReason.NONE))
+    for norm in norms:
+        for factor, offset in ((1.0, -1e-6), (1.0, 1e-6)):
+            probe = _reference_threshold(accepted, policy) * (factor + offset)
+            if not math.isfinite(probe):
+                probe = 1e30  # unarmed: not even a huge norm is a spike (no max_norm_abs)
+            want = reference_is_spike(probe, accepted, policy)
+            got = bool(window.is_spike(torch.tensor(probe, dtype=torch.float64)))
+            assert got is want, (len(accepted), probe, policy)
+        window.is_spike(torch.tensor(norm, dtype=torch.float64))
+        window.accept(taken)
+        accepted.append(norm)
+    held, count = window.state()
+    assert count == len(norms)
+    assert held == pytest.approx(accepted[-policy["window"] :], rel=0, abs=0)
+
+
+def _reference_threshold(accepted: list[float], policy: dict[str, Any]) -> float:
+    """The smallest norm the reference calls a spike (inf when no test is armed)."""
+    limits = [policy["max_norm_abs"]] if policy.get("max_norm_abs") is not None else []
+    if len(accepted) >= policy["warmup"]:
+        recent = accepted[-policy["window"] :]
+        mean = statistics.fmean(recent)
+        if policy.get("z") is not None:
+            limits.append(mean + policy["z"] * statistics.stdev(recent))
+        if policy.get("ratio") is not None:
+            limits.append(policy["ratio"] * mean)
+    return min(limits, default=math.inf)
+
+
 def test_a_spike_counts_for_growth_as_a_clean_step() -> None:
     (p,) = _params()[:1]
     opt = torch.optim.SGD([p], lr=0.0)

@@ -16,16 +16,46 @@ from torch import nn
 
 from shardscale.cli.bench._launches import count_launches
 
-#: Issue 21's budget for our default step (fused AdamW, ``unscale_and_clip_``).
-DEFAULT_CEILING = 90
-#: What ``spike=SpikeSkip()`` may add on top (it recomputes the window's mean and std each step,
-#: in the same arithmetic as before, and feeds the window after the verdict).
-SPIKE_CEILING = 32
-#: Ours may dispatch at most this multiple of torch's count for the same step. On the CPU a
-#: dozen or more small gradients are read through one flat copy and a segmented sum (about 7
-#: ops where ``_foreach_norm`` is 2, but faster on the host there; CPU-only, see
-#: ``shardscale.core._foreach_kernels``), which is what the margin over 2x is for.
-RATIO_CEILING = 2.25
+#: What each stage of our default step (fused AdamW, ``unscale_and_clip_`` with p = 2, one
+#: rank, the telemetry plugin's observer registered) must dispatch, stage by stage; see
+#: [Note: the step's fixed cost] in ``shardscale.core._step_arith``.
+STAGES = {
+    # Sixteen small CPU gradients are read through one flat copy and a segmented sum
+    # (``shardscale.core._foreach_kernels``: 10 ops where ``_foreach_norm`` is 2, but faster on
+    # the host there), then cast to float64 once.
+    "read": 11,
+    # This rank's values: the peak (nan_to_num, amax, its floor), the scaled sum of squares
+    # (a division and a dot), the non-finite count (isfinite, not, sum), the nan count (isnan,
+    # sum); each writes its slot of a cached scratch.
+    "local values": 10,
+    # One out-of-place index_put into a cached vector that holds the status already.
+    "fill": 1,
+    # found_inf, skip and coef: one clone of a template and its unbind.
+    "outputs": 2,
+    # The norm from the reduced vector: split, the largest peak, ratio, square, dot, sqrt,
+    # times the peak, divided by the scale (written as float32).
+    "norm": 8,
+    # Every flag against the expected vector (ne), weighted (mul), the largest (amax).
+    "reason": 3,
+    # found_inf and the overflow mask (two ge), the nan/inf norm (two where), the clip
+    # coefficient (add, div, minimum, fmax), grad_scale (div), skip (gt).
+    "decide": 10,
+    # The reason read on the host (tolist: resolve_conj, resolve_neg on the CPU).
+    "errors": 2,
+    # The scale update (_amp_update_scale_ and its floor), the skipped flag (gt), the step
+    # record's snapshots of scale and trackers (three clones, for the registered observer).
+    "update": 6,
+}
+DEFAULT_CEILING = sum(STAGES.values())
+#: What ``spike=SpikeSkip()`` adds: the tested norm in float64 (to), the threshold from one
+#: var_mean over the ring (clamp the count, var_mean, two takes of the per-count
+#: coefficients, the mean, two addcmul and a clamp for the spread, sqrt, one addcmul), its
+#: flag (gt, weighed in the reason's amax), and the window fed after the verdict (remainder,
+#: two index_put_); see [Note: the spike window in few ops] in ``shardscale.core._verdict``.
+SPIKE_CEILING = 15
+#: Ours against torch's count for the same step: the segmented read's 9 extra ops and the
+#: verdict torch does not give (reason, spike slot, per-rank vector, error read) are the margin.
+RATIO_CEILING = 1.5
 
 
 def _warm_step_ops(

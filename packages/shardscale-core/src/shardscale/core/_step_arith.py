@@ -5,10 +5,11 @@ Every device op of a step is a kernel launch on a GPU (~5 us of host time
 each) and a dispatch on the CPU, whatever the model's size, so the vector's
 bookkeeping is written to a budget (``test_step_op_budget``), stage by stage:
 
-* **fill** (two ops): this rank's values are computed as 0-dim tensors,
-  stacked once and put with one out-of-place ``index_put`` into a cached
-  vector that already holds this rank's constant ``status`` (and, for a
-  finite p, the floor of its ``peak``), at indices cached per layout;
+* **fill** (one op): this rank's values are written by the ops that compute
+  them (``out=``) into a cached scratch (:class:`LocalValues`), put with one
+  out-of-place ``index_put`` into a cached vector that already holds this
+  rank's constant ``status`` (and, for a finite p, the floor of its
+  ``peak``), at indices cached per layout;
 * **flags and reason** (three ops): every flag of the decision is a
   comparison of the reduced vector with a cached *expected* vector (0 for
   counts, this rank's own ``status`` for the status block), so one ``ne``,
@@ -38,11 +39,13 @@ from shardscale.core._step_vector import VectorLayout
 
 __all__ = [
     "TINY64",
+    "LocalValues",
     "Probe",
     "constant",
     "fill_local",
     "fresh_outputs",
     "global_norm",
+    "local_values",
     "probe",
     "reason_into",
 ]
@@ -55,9 +58,9 @@ _F64 = torch.float64
 
 
 @functools.lru_cache(maxsize=64)
-def constant(value: float, device: torch.device) -> torch.Tensor:
-    """A cached 0-dim float64 tensor on ``device`` (never written)."""
-    return torch.tensor(value, dtype=_F64).to(device)
+def constant(value: float, device: torch.device, dtype: torch.dtype = _F64) -> torch.Tensor:
+    """A cached 0-dim tensor on ``device``, float64 unless ``dtype`` says (never written)."""
+    return torch.tensor(value, dtype=dtype).to(device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -76,34 +79,49 @@ def _base(
     return vec.to(device)
 
 
+@dataclass(frozen=True, slots=True)
+class LocalValues:
+    """Scratch for this rank's values: ops write their 0-dim results into :attr:`slots`
+    (``out=``), and :func:`fill_local` puts :attr:`buffer` into the vector, so no stack is
+    needed. Reused by every step with the same names: nothing reads it after the fill."""
+
+    names: tuple[str, ...]
+    #: float64, one value per name, in order.
+    buffer: torch.Tensor
+    #: name -> a 0-dim view of :attr:`buffer`.
+    slots: dict[str, torch.Tensor]
+
+
+@functools.lru_cache(maxsize=32)
+def local_values(names: tuple[str, ...], device: torch.device) -> LocalValues:
+    """The cached :class:`LocalValues` for ``names`` (``PER_RANK`` or ``SHARED`` names)."""
+    buffer = torch.zeros(len(names), dtype=_F64, device=device)
+    return LocalValues(names, buffer, dict(zip(names, buffer.unbind(), strict=True)))
+
+
 def fill_local(
     layout: VectorLayout,
     rank: int,
-    device: torch.device,
+    values: LocalValues,
     *,
-    slots: dict[str, torch.Tensor],
-    shared: dict[str, torch.Tensor],
     status: float,
     peak_floor: bool = False,
 ) -> torch.Tensor:
-    """A new vector with this rank's ``slots``, its ``status`` and its ``shared`` values set.
-
-    Values are 0-dim tensors on ``device`` (any real or bool dtype: the stack
-    promotes them to float64); slots left out stay 0, but with ``peak_floor``
-    this rank's ``peak`` is at least :data:`TINY64` (a finite-p norm divides
-    by the largest peak: see :func:`global_norm`). Two ops.
+    """A new vector with this rank's ``values``, its ``status`` and, with ``peak_floor``, a
+    ``peak`` of at least :data:`TINY64` where the values hold none (a finite-p norm divides by
+    the largest peak: see :func:`global_norm`); everything else stays 0. One op.
     """
+    device = values.buffer.device
     constants = [(layout.slot("status", rank), status)]
     if peak_floor:
         constants.append((layout.slot("peak", rank), TINY64))
     base = _base(layout.size, tuple(constants), device)
-    index = [layout.slot(name, rank) for name in slots] + [layout.shared(n) for n in shared]
-    if not index:
+    if not values.names:
         return base.clone()
-    values = torch.stack([*slots.values(), *shared.values()])
-    if values.dtype is not _F64:  # only flags (bool): no float64 value to promote them
-        values = values.to(_F64)
-    return torch.index_put(base, (_index(tuple(index), device),), values)
+    index = tuple(
+        layout.shared(n) if n in layout.SHARED else layout.slot(n, rank) for n in values.names
+    )
+    return torch.index_put(base, (_index(index, device),), values.buffer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,9 +189,17 @@ def reason_into(vec: torch.Tensor, found: Probe, *, out: torch.Tensor | None) ->
 
 
 def global_norm(
-    vec: torch.Tensor, layout: VectorLayout, p: float, *, scale: torch.Tensor | None
+    vec: torch.Tensor,
+    layout: VectorLayout,
+    p: float,
+    *,
+    scale: torch.Tensor | None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Sequence[torch.Tensor]]:
-    """The global p-norm (float64, finite, unscaled by ``scale``) and the vector's blocks.
+    """The global p-norm (finite, unscaled by ``scale``) and the vector's blocks.
+
+    Computed in float64; the last op writes into ``out`` (its dtype: no cast
+    op of its own) when given, else the value is float64.
 
     ``M·(Σ_r S_r (M_r/M)^p)^(1/p)`` with ``M = max_r M_r`` (see [Note: the
     reduced vector] in ``_step_engine``). For a finite p every rank's peak slot
@@ -183,27 +209,36 @@ def global_norm(
     from the one ``split`` that also gives the norm its operands.
     """
     blocks = torch.split(vec, layout.world)
+    per_rank = blocks[: len(layout.PER_RANK)]
     peaks = blocks[layout.PER_RANK.index("peak")]
     top = peaks.amax()
-    if math.isinf(p):
-        value = top
-    else:
+    root = None
+    if not math.isinf(p):
         sums = blocks[layout.PER_RANK.index("scaled_sum")]
         ratio = peaks / top
         powered = ratio * ratio if p == 2.0 else ratio.pow(p)
         total = torch.dot(sums, powered)
-        value = top * (total.sqrt() if p == 2.0 else total.pow(1.0 / p))
+        root = total.sqrt() if p == 2.0 else total.pow(1.0 / p)
+    if root is not None and scale is not None:
+        root = top * root
+    elif root is None and scale is None:  # p = inf, nothing to unscale: no op left to write
+        return (top if out is None else out.copy_(top)), per_rank
+    # float64 * or / a float32 0-dim tensor: computed in float64, cast into ``out``.
+    left = top if root is None else root
     if scale is not None:
-        value = value / scale  # float64 / float32 0-dim: in float64
-    return value, blocks[: len(layout.PER_RANK)]
+        value = torch.div(left, scale) if out is None else torch.div(left, scale, out=out)
+    else:
+        value = torch.mul(top, left) if out is None else torch.mul(top, left, out=out)
+    return value, per_rank
 
 
 @functools.lru_cache(maxsize=16)
 def _template(device: torch.device) -> torch.Tensor:
-    # found_inf, skip, coef: what a step that decided nothing would hold.
-    return torch.tensor([0.0, 0.0, 1.0], dtype=torch.float32).to(device)
+    # found_inf, skip, coef, a float32 norm: what a step that decided nothing would hold.
+    return torch.tensor([0.0, 0.0, 1.0, 0.0], dtype=torch.float32).to(device)
 
 
 def fresh_outputs(device: torch.device) -> tuple[torch.Tensor, ...]:
-    """New 0-dim float32 ``found_inf`` (0), ``skip`` (0) and ``coef`` (1): two ops."""
+    """New 0-dim float32 ``found_inf`` (0), ``skip`` (0), ``coef`` (1) and a norm to write
+    (:func:`global_norm`'s ``out``): two ops."""
     return _template(device).clone().unbind()

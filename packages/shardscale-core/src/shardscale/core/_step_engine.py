@@ -147,6 +147,7 @@ from shardscale.core._step_arith import (
     fill_local,
     fresh_outputs,
     global_norm,
+    local_values,
     probe,
     reason_into,
 )
@@ -332,6 +333,8 @@ class StepResult:
     skip_reason: torch.Tensor | None = None
     #: The reduced vector's per-rank ``nonfinite`` block, when the decision already made the view.
     nonfinite_block: torch.Tensor | None = None
+    #: Where the decision writes a float32 norm (one of the step's fresh outputs).
+    _norm32: torch.Tensor | None = None
     _errors: ErrorBlocks | None = None
     _raised: bool = False
     _complete: Callable[[], None] | None = None
@@ -985,7 +988,7 @@ def _reduce(
         reading, local, device=device, chain=chain, loss_nonfinite=loss_nonfinite
     )
     handle = _issue(vec, config)
-    found_inf, skip, coef = fresh_outputs(device)
+    found_inf, skip, coef, norm32 = fresh_outputs(device)
     result = StepResult(
         found_inf=found_inf,
         norm=None,
@@ -1003,6 +1006,7 @@ def _reduce(
         # Filled by the decision; allocated now so that a lazy step's caller can hold them.
         skip=skip,
         skip_reason=torch.zeros((), dtype=torch.int64, device=device) if lazy else None,
+        _norm32=norm32,
     )
     return result, handle
 
@@ -1021,38 +1025,57 @@ def _local_vector(
     ``_step_arith``): slots the step has nothing for stay 0.
     """
     p = local.norm_type
-    slots: dict[str, torch.Tensor] = {}
-    shared: dict[str, torch.Tensor] = {}
-    if reading.counted_norms and p is not None:
+    norm = bool(reading.counted_norms) and p is not None
+    names: tuple[str, ...] = ("peak",) if norm else ()
+    if norm and p is not None and not math.isinf(p):
+        names += ("scaled_sum",)
+    if reading.every_norms or reading.flags:
+        names += ("nonfinite",)
+    if reading.every_norms:
+        names += ("nan",)
+    if loss_nonfinite is not None:
+        names += ("loss_nonfinite",)
+    values = local_values(names, device)
+    out = values.slots
+    if norm and p is not None:
         n = _joined(reading.counted_norms).nan_to_num(0.0, 0.0, 0.0)  # finite ones only
-        peak = slots["peak"] = n.amax()
+        torch.amax(n, dim=0, out=out["peak"])
         if not math.isinf(p):
             # The floored peak is written: the decision divides by the largest (global_norm).
-            peak = slots["peak"] = peak.clamp(min=TINY64)
+            peak = out["peak"].clamp_(min=TINY64)
             ratio = n / peak
-            slots["scaled_sum"] = torch.dot(ratio, ratio) if p == 2.0 else ratio.pow(p).sum()
+            if p == 2.0:
+                torch.dot(ratio, ratio, out=out["scaled_sum"])
+            else:
+                torch.sum(ratio.pow(p), dim=0, out=out["scaled_sum"])
     finite = None
-    counts: list[torch.Tensor] = []
     if reading.every_norms:
         every = _joined(reading.every_norms)
         finite = torch.isfinite(every)
-        counts.append((~finite).sum(dtype=torch.float64))
-        shared["nan"] = every.isnan().sum(dtype=torch.float64)
-    if reading.flags:
+        torch.sum(~finite, dim=0, dtype=torch.float64, out=out["nonfinite"])
+        torch.sum(every.isnan(), dim=0, dtype=torch.float64, out=out["nan"])
+    if reading.flags:  # the unscale kernel's found_inf, one per bucket
         flags = reading.flags
-        counts.append(flags[0] > 0 if len(flags) == 1 else torch.stack(flags).gt(0).sum())
-    if counts:
-        slots["nonfinite"] = counts[0] if len(counts) == 1 else counts[0] + counts[1]
+        if len(flags) == 1 and not reading.every_norms:
+            torch.gt(flags[0], 0, out=out["nonfinite"])
+        else:
+            seen = torch.stack(flags).gt(0).sum()
+            if reading.every_norms:
+                out["nonfinite"].add_(seen)
+            else:
+                out["nonfinite"].copy_(seen)
     if loss_nonfinite is not None:
         observed = loss_nonfinite if loss_nonfinite.dim() == 0 else loss_nonfinite.reshape(())
         if observed.device != device:
             observed = observed.to(device, non_blocking=True)
-        shared["loss_nonfinite"] = observed != 0
-    status = _status(local, chain)
-    layout = VectorLayout(local.world)
+        torch.ne(observed, 0, out=out["loss_nonfinite"])
     floor = p is not None and not math.isinf(p)
     vec = fill_local(
-        layout, local.rank, device, slots=slots, shared=shared, status=status, peak_floor=floor
+        VectorLayout(local.world),
+        local.rank,
+        values,
+        status=_status(local, chain),
+        peak_floor=floor,
     )
     return vec, finite
 
@@ -1104,9 +1127,14 @@ def _decide(result: StepResult, local: _Local, request: StepRequest) -> None:
     # -1 matches no status: a rank that failed sets the flag itself (see Probe).
     own = -1.0 if local.error is not None else _status(local, result.chain)
     found = probe(layout.world, own, _weights(verdict, spike=spike is not None), vec.device)
+    # float64 when this rank reads float64 gradients, as torch; decided locally (no host read
+    # of the vector), so ranks agree whenever they hold the same parameter dtypes.
+    f64 = any(dtype is torch.float64 for _, dtype in local.buckets.every)
     value = None
     if p is not None:
-        value, blocks = global_norm(vec, layout, p, scale=scale)
+        # In float64, written into a float32 output unless this rank reads float64 gradients.
+        out = None if f64 else result._norm32
+        value, blocks = global_norm(vec, layout, p, scale=scale, out=out)
         result.nonfinite_block = blocks[layout.PER_RANK.index("nonfinite")]
         if spike is not None:
             # Its flag is weighted in the reason: a spike skips unless a stronger reason does.
@@ -1118,12 +1146,9 @@ def _decide(result: StepResult, local: _Local, request: StepRequest) -> None:
     bad = reason >= int(SkipReason.NONFINITE)
     torch.ge(reason, int(SkipReason.NONFINITE), out=result.found_inf)
     if value is not None:
-        nonfinite = torch.where(found.nan, math.nan, math.inf)
-        norm = torch.where(bad, nonfinite, value)
-        # float64 when this rank reads float64 gradients, as torch; decided locally (no host
-        # read of the vector), so ranks agree whenever they hold the same parameter dtypes.
-        f64 = any(dtype is torch.float64 for _, dtype in local.buckets.every)
-        result.norm = norm if f64 else norm.to(torch.float32)
+        # float32 constants: the result keeps the value's dtype.
+        nan, inf = (constant(v, vec.device, torch.float32) for v in (math.nan, math.inf))
+        result.norm = torch.where(bad, torch.where(found.nan, nan, inf), value)
         if not math.isinf(max_norm):
             # In float64 from the reported norm (float32 + float64 0-dim tensors: float64).
             clip = constant(max_norm, vec.device) / (result.norm + constant(EPS, vec.device))
