@@ -54,8 +54,10 @@ is M·(Σ_r S_r (M_r/M)^p)^(1/p) with M = max_r M_r: no intermediate exceeds the
 norm itself, so the combination cannot overflow for any p > 0. Its size is
 4·W + 2 numbers: 32 KiB for 1024 ranks, 4 MiB for 131 072. The device reads
 every flag of the decision from it in a handful of ops (``_step_arith``): one
-``aminmax`` over the (blocks x W) view; a rank failed or ranks disagree exactly
-when the largest status is >= 2^48 or differs from the smallest. The norm's dtype is
+``ne`` against what this rank expects (every count 0, every status its own, or
+-1 where it failed itself), so a rank failed or ranks disagree exactly when a
+status flag is set on every rank, and the weighted ``amax`` of the flags is the
+step's skip reason. The norm's dtype is
 decided on each rank from its own gradients (float64 if it reads float64 ones,
 as torch), so ranks agree whenever they hold the same parameter dtypes.
 
@@ -67,7 +69,8 @@ table): NCCL's own tuning model puts this vector's all-reduce at 1.05x an
 2.03x). The per-rank nonfinite counts feed every step's
 ``StepRecord.nonfinite_per_rank`` without a host sync, which a constant-size
 SUM cannot carry. What did grow with W on every step was host work: it now
-reads one device-computed flag, not the W status slots (``ErrorBlocks``), so
+reads one device-computed number (the reason), not the W status slots
+(``ErrorBlocks``), so
 the decision costs O(1) host work and O(W) device work (simulated at 131 072
 ranks on one CPU thread: 137 ms -> 4-7 ms per step).
 
