@@ -239,14 +239,18 @@ class ShardedGradScaler:
         fuse_optimizer: run an unfused torch SGD/Adam/AdamW step through
             torch's fused kernel, which takes the unscale and clip factor
             (``grad_scale``) and the skip (``found_inf``) inside its own pass:
-            one gradient pass and the unfused step's host sync fewer. ``None``
-            (default): whenever the optimizer qualifies (docs/step-engine.md,
-            "the apply folded into the optimizer"), else today's path;
-            ``True``: raise on every rank, naming why, when it does not;
-            ``False``: never. The result differs from the foreach step at
-            rounding level only. Gradients then stay scaled between
-            ``unscale_(optimizer, max_norm=...)`` and ``step``, as for a fused
-            optimizer.
+            one gradient pass and the unfused step's host sync fewer
+            (docs/step-engine.md, "the apply folded into the optimizer").
+            ``None`` (default): after ``unscale_(optimizer, max_norm=...)`` /
+            ``unscale_and_clip_`` whenever the optimizer qualifies (that path
+            already differs from torch's recipe at rounding level), never on
+            a plain ``step``, which keeps torch's exact numbers; ``True``: on
+            every step, raising on every rank, naming why, when the optimizer
+            does not qualify; ``False``: never. The result differs from the
+            foreach step at rounding level only. The gradients then stay
+            scaled between ``unscale_and_clip_`` and ``step`` (as for a fused
+            optimizer) and, with SGD, after ``step`` too (torch's SGD kernel
+            does not write them back).
     """
 
     _device: str
@@ -666,6 +670,8 @@ class ShardedGradScaler:
         needs nothing: it takes ``grad_scale`` itself. The error is for
         ``fuse_optimizer=True`` when the optimizer does not qualify.
         """
+        if choice not in (None, True, False):
+            raise TypeError(f"fuse_optimizer must be None, True or False, got {choice!r}")
         wanted = self._fuse_optimizer if choice is None else choice
         if wanted is False or getattr(optimizer, "_step_supports_amp_scaling", False):
             return False, None
@@ -886,9 +892,14 @@ class ShardedGradScaler:
             )
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             return self._fused_step(optimizer, state, scale, args, kwargs)
-        # Left scaled for the kernel, or not yet read: torch's fused kernel, when it applies
-        # (an explicit unscale_ left them unscaled: the kernel then gets grad_scale None).
-        if state.folded or (state.stage is not OptState.STEPPED and self._folds(optimizer)[0]):
+        # Left scaled for torch's fused kernel by unscale_and_clip_; or, only when asked for
+        # (fuse_optimizer=True: torch's own numbers are the default here), not yet read or
+        # unscaled by an explicit unscale_ (the kernel then gets grad_scale None).
+        if state.folded or (
+            self._fuse_optimizer is True
+            and state.stage is not OptState.STEPPED
+            and self._folds(optimizer)[0]
+        ):
             return self._fused_step(optimizer, state, scale, args, kwargs, fold=True)
         if state.stage is OptState.READY:
             self.unscale_(optimizer)
@@ -947,6 +958,9 @@ class ShardedGradScaler:
                 self._last_grad_norm = result.norm
             else:
                 result = self._run(optimizer, Apply.NOTHING, defer_errors=True, lazy=True)
+                if result.local_error is not None:  # this rank's own error: before any record
+                    result.wait()
+                    result.raise_errors()
             if fold:
                 # With the scale fixed at 1 there is nothing to divide by.
                 state.record(result, grad_scale=scale if self._loss_scaling else None)
