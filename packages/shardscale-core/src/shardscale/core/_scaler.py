@@ -249,8 +249,8 @@ class ShardedGradScaler:
             does not qualify; ``False``: never. The result differs from the
             foreach step at rounding level only. The gradients then stay
             scaled between ``unscale_and_clip_`` and ``step`` (as for a fused
-            optimizer) and, with SGD, after ``step`` too (torch's SGD kernel
-            does not write them back).
+            optimizer); the kernel writes them back unscaled, except on a
+            skipped step, which leaves them as they were.
     """
 
     _device: str
