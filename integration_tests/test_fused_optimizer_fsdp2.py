@@ -84,7 +84,9 @@ def _arm(kind: str, ours: bool) -> dict[str, Any]:
         if p in opt.state
     ]
     dtensor_state = all(
-        isinstance(v, DTensor) for p in params for k, v in opt.state.get(p, {}).items()
+        isinstance(v, DTensor)
+        for p in params
+        for k, v in opt.state.get(p, {}).items()
         if k != "step"
     )
     return {

@@ -58,9 +58,7 @@ def _fused_step_case(
         "sgd_momentum": lambda: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
     }[opt_kind]()
     group = counting_gloo_group()
-    scaler = ShardedGradScaler(
-        "cpu", backend="c10d", process_group=group, init_scale=1024.0
-    )
+    scaler = ShardedGradScaler("cpu", backend="c10d", process_group=group, init_scale=1024.0)
     out: dict[str, Any] = {"seen": [], "norms": [], "skipped": [], "calls": []}
     for step in range(4):
         opt.zero_grad(set_to_none=True)

@@ -262,10 +262,10 @@ def test_a_dtype_the_kernel_does_not_take_is_refused_by_torchs_own_test() -> Non
 
 def test_groups_and_attributes_are_restored_after_the_step_and_after_an_exception() -> None:
     params = _params()
-    opt = torch.optim.Adam(
-        [{"params": params[:2]}, {"params": params[2:], "foreach": True}], lr=LR
+    opt = torch.optim.Adam([{"params": params[:2]}, {"params": params[2:], "foreach": True}], lr=LR)
+    groups = copy.deepcopy(
+        [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     )
-    groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
     attrs = set(vars(opt))
     scaler = ShardedGradScaler("cpu", backend="local", **SCALER_KW)
 

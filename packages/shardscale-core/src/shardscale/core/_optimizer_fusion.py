@@ -199,16 +199,17 @@ def _local_shards(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         for group in optimizer.param_groups:
             params = []
             for p in group["params"]:
-                if isinstance(p, DTensor):
-                    local = _local(p)
-                    stand_ins.append((local, local.grad))
-                    grad = p.grad
-                    local.grad = _local(grad) if isinstance(grad, DTensor) else grad
-                    buf = optimizer.state.get(p, {}).get("momentum_buffer")
-                    if isinstance(buf, DTensor):
-                        optimizer.state[local] = {"momentum_buffer": _local(buf)}
-                    p = local
-                params.append(p)
+                if not isinstance(p, DTensor):
+                    params.append(p)
+                    continue
+                local = _local(p)
+                stand_ins.append((local, local.grad))
+                grad = p.grad
+                local.grad = _local(grad) if isinstance(grad, DTensor) else grad
+                buf = optimizer.state.get(p, {}).get("momentum_buffer")
+                if isinstance(buf, DTensor):
+                    optimizer.state[local] = {"momentum_buffer": _local(buf)}
+                params.append(local)
             group["params"] = params
         yield
     finally:

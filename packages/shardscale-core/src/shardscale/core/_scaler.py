@@ -895,11 +895,7 @@ class ShardedGradScaler:
         # Left scaled for torch's fused kernel by unscale_and_clip_; or, only when asked for
         # (fuse_optimizer=True: torch's own numbers are the default here), not yet read or
         # unscaled by an explicit unscale_ (the kernel then gets grad_scale None).
-        if state.folded or (
-            self._fuse_optimizer is True
-            and state.stage is not OptState.STEPPED
-            and self._folds(optimizer)[0]
-        ):
+        if state.folded or (self._fuse_optimizer is True and self._folds(optimizer)[0]):
             return self._fused_step(optimizer, state, scale, args, kwargs, fold=True)
         if state.stage is OptState.READY:
             self.unscale_(optimizer)

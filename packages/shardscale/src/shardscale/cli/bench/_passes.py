@@ -30,7 +30,13 @@ plus parameters and optimizer state) beside the floor and the measured ratio.
 
 from __future__ import annotations
 
-__all__ = ["KERNEL_WRITE_BACK", "OPTIMIZER_PASSES", "TAKES_GRAD_SCALE", "floor_passes", "floor_ratio"]
+__all__ = [
+    "KERNEL_WRITE_BACK",
+    "OPTIMIZER_PASSES",
+    "TAKES_GRAD_SCALE",
+    "floor_passes",
+    "floor_ratio",
+]
 
 #: Passes of the optimizer's own step over gradient, parameter and state memory.
 OPTIMIZER_PASSES = {"sgd": 3, "adam_fused": 7}
