@@ -61,10 +61,11 @@ _FUSED_OPS: dict[type[torch.optim.Optimizer], str] = {
     torch.optim.Adam: "_fused_adam_",
 }
 
-# optimizer -> (signature, refusal): the per-parameter checks run when the layout changes only.
-_CACHE: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[tuple[Any, ...], str | None]] = (
-    weakref.WeakKeyDictionary()
-)
+# optimizer -> (signature, refusal, SGD over DTensors): the per-parameter checks run when the
+# layout changes only, not on every step.
+_CACHE: weakref.WeakKeyDictionary[
+    torch.optim.Optimizer, tuple[tuple[Any, ...], str | None, bool]
+] = weakref.WeakKeyDictionary()
 
 
 def _base(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer] | None:
@@ -88,9 +89,11 @@ def _dtensor_has_rule(op_name: str) -> bool:
 
 
 def _signature(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
-    # What the refusal depends on and can change between steps, cheaply (O(groups)).
+    # What the refusal depends on and can change between steps, cheaply (O(groups)); a
+    # load_state_dict() replaces the state and the groups, so their ids change.
     return (
         type(optimizer),
+        id(optimizer.state),
         len(optimizer.state),
         tuple(
             (id(g["params"]), len(g["params"]), g.get("differentiable"), g.get("momentum"))
@@ -104,13 +107,20 @@ def fusion_refusal(optimizer: torch.optim.Optimizer) -> str | None:
 
     See [Note: the apply folded into the optimizer] for the rules.
     """
+    return _checked(optimizer)[1]
+
+
+def _checked(optimizer: torch.optim.Optimizer) -> tuple[tuple[Any, ...], str | None, bool]:
     signature = _signature(optimizer)
     cached = _CACHE.get(optimizer)
     if cached is not None and cached[0] == signature:
-        return cached[1]
-    refusal = _refusal(optimizer)
-    _CACHE[optimizer] = (signature, refusal)
-    return refusal
+        return cached
+    local = isinstance(optimizer, torch.optim.SGD) and any(
+        type(p).__name__ == "DTensor" for g in optimizer.param_groups for p in g["params"]
+    )
+    checked = (signature, _refusal(optimizer), local)
+    _CACHE[optimizer] = checked
+    return checked
 
 
 def _refusal(optimizer: torch.optim.Optimizer) -> str | None:
@@ -236,9 +246,7 @@ def fused_kernel_step(
     """
     groups = optimizer.param_groups
     flags = [(g.get("fused", _ABSENT), g.get("foreach", _ABSENT)) for g in groups]
-    local = isinstance(optimizer, torch.optim.SGD) and any(
-        type(p).__name__ == "DTensor" for g in groups for p in g["params"]
-    )
+    local = _checked(optimizer)[2]  # SGD over DTensors: the kernel runs on the local shards
     try:
         for group in groups:
             group["fused"], group["foreach"] = True, False
