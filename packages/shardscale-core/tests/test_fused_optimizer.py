@@ -295,3 +295,36 @@ def test_groups_and_attributes_are_restored_after_the_step_and_after_an_exceptio
 def test_the_option_is_checked() -> None:
     with pytest.raises(TypeError, match="fuse_optimizer"):
         ShardedGradScaler("cpu", fuse_optimizer="yes")  # type: ignore[arg-type]
+
+
+def test_after_an_explicit_unscale_the_kernel_gets_no_grad_scale_and_the_grads_stay_unscaled() -> (
+    None
+):
+    steps = _grads()
+    params, ref_params = _params(), _params()
+    opt = torch.optim.SGD(params, lr=LR, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref_params, lr=LR, momentum=0.9)
+    scaler = ShardedGradScaler("cpu", backend="local", fuse_optimizer=True, **SCALER_KW)
+    ref = torch.amp.GradScaler("cpu", **SCALER_KW)
+    ref.scale(torch.zeros(()))
+    ran_fused: list[bool] = []
+    opt.register_step_pre_hook(lambda o, *_: ran_fused.append(o.param_groups[0]["fused"]))
+    for k in (1, 2, 3, 4):  # step 3 holds an inf
+        for ps, o, s in ((params, opt, scaler), (ref_params, ref_opt, ref)):
+            o.zero_grad()
+            _set_grads(ps, steps[k], s.get_scale())
+            s.unscale_(o)
+        unscaled = [p.grad.clone() for p in params]  # type: ignore[union-attr]
+        scaler.step(opt)
+        ref.step(ref_opt)
+        scaler.update()
+        ref.update()
+        # The kernel got grad_scale None: it left the unscaled gradients as they were.
+        assert all(torch.equal(p.grad, u) for p, u in zip(params, unscaled, strict=True))  # type: ignore[arg-type]
+    # The first step makes the momentum buffers (unfused, even with True: fused is as built),
+    # then the kernel, the skipped step 3 included (it skips on the device, no host read).
+    assert ran_fused == [None, True, True, True]
+    assert scaler.get_scale() == ref.get_scale()
+    rtol, atol = _bounds("sgd_momentum")
+    for p, q in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=rtol, atol=atol)

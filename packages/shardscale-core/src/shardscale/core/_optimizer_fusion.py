@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-__all__ = ["fused_kernel_step", "fusion_refusal"]
+__all__ = ["FIRST_MOMENTUM_STEP", "fused_kernel_step", "fusion_refusal"]
 
 #: torch's optimizers with fused kernels, and the kernel each runs.
 _FUSED_OPS: dict[type[torch.optim.Optimizer], str] = {
@@ -60,6 +60,13 @@ _FUSED_OPS: dict[type[torch.optim.Optimizer], str] = {
     torch.optim.AdamW: "_fused_adamw_",
     torch.optim.Adam: "_fused_adam_",
 }
+
+#: The one refusal that passes by itself: after its first step taken, SGD qualifies (so even
+#: ``fuse_optimizer=True`` takes the unfused path for that step, without an error).
+FIRST_MOMENTUM_STEP = (
+    "SGD with momentum before its first step: torch's fused kernel would leave the momentum "
+    "buffers of a skipped first step uninitialised"
+)
 
 # optimizer -> (signature, refusal, SGD over DTensors): the per-parameter checks run when the
 # layout changes only, not on every step.
@@ -154,10 +161,7 @@ def _refusal(optimizer: torch.optim.Optimizer) -> str | None:
             if base is torch.optim.SGD:
                 # Every parameter, with a gradient now or not: the kernel takes all or none.
                 if group["momentum"] != 0 and "momentum_buffer" not in state:
-                    return (
-                        "SGD with momentum before its first step: torch's fused kernel would "
-                        "leave the momentum buffers of a skipped first step uninitialised"
-                    )
+                    return FIRST_MOMENTUM_STEP
             elif "step" in state:
                 step = state["step"]
                 if not (

@@ -48,7 +48,11 @@ from shardscale.core._contract import (
 )
 from shardscale.core._errors import DeclarationError
 from shardscale.core._gradients import optimizer_params
-from shardscale.core._optimizer_fusion import fused_kernel_step, fusion_refusal
+from shardscale.core._optimizer_fusion import (
+    FIRST_MOMENTUM_STEP,
+    fused_kernel_step,
+    fusion_refusal,
+)
 from shardscale.core._overflow import OverflowReport, build_overflow_report
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, StepRecord
 from shardscale.core._registry import Registry, get_registry
@@ -678,8 +682,8 @@ class ShardedGradScaler:
         why = fusion_refusal(optimizer)
         if why is None:
             return True, None
-        if wanted is None:
-            return False, None  # auto: today's path, silently
+        if wanted is None or why == FIRST_MOMENTUM_STEP:
+            return False, None  # auto, or a first step only: today's path, silently
         return False, ValueError(
             f"fuse_optimizer=True, but this {type(optimizer).__name__}'s step cannot run through "
             f"torch's fused kernel: {why}. Pass fuse_optimizer=None to use the kernel only where "
