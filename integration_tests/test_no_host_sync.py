@@ -32,7 +32,9 @@ from shardscale.core.testing import HostReadRecorder
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
-def _fused_step_case(poison_rank: int, fused: bool) -> dict[str, Any]:
+def _fused_step_case(
+    poison_rank: int, fused: bool, opt_kind: str = "adamw", fuse_optimizer: bool | None = None
+) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -47,24 +49,34 @@ def _fused_step_case(poison_rank: int, fused: bool) -> dict[str, Any]:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
-    scaler = ShardedGradScaler("cpu", backend="c10d", init_scale=1024.0)
-    out: dict[str, Any] = {"seen": [], "norms": [], "skipped": []}
+    from shardscale.core.testing import CountingGlooGroup, counting_gloo_group
+
+    params = model.parameters()
+    opt = {
+        "adamw": lambda: torch.optim.AdamW(params, lr=1e-2, fused=fused),
+        "sgd": lambda: torch.optim.SGD(params, lr=1e-2, foreach=True),
+        "sgd_momentum": lambda: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
+    }[opt_kind]()
+    group = counting_gloo_group()
+    scaler = ShardedGradScaler("cpu", backend="c10d", process_group=group, init_scale=1024.0)
+    out: dict[str, Any] = {"seen": [], "norms": [], "skipped": [], "calls": []}
     for step in range(4):
         opt.zero_grad(set_to_none=True)
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
         poison = math.inf if (step == 2 and rank == poison_rank) else 1.0
         scaler.scale(model(x).pow(2).mean() * poison).backward()
-        if step == 0:  # warm-up: the one-time backend-chain check
-            unscale_and_clip_(scaler, opt, max_norm=0.5)
+        if step == 0:  # warm-up: the one-time backend-chain check (and SGD's momentum buffers)
+            unscale_and_clip_(scaler, opt, max_norm=0.5, fuse_optimizer=fuse_optimizer)
             scaler.step(opt)
             scaler.update()
             continue
         detector = HostReadRecorder()
+        before = CountingGlooGroup.calls
         with detector:
-            norm = unscale_and_clip_(scaler, opt, max_norm=0.5)
+            norm = unscale_and_clip_(scaler, opt, max_norm=0.5, fuse_optimizer=fuse_optimizer)
             scaler.step(opt)
             scaler.update()
+        out["calls"].append(CountingGlooGroup.calls - before)
         out["seen"].append(detector.seen)
         out["norms"].append(float(norm))
         skipped = scaler.last_step_skipped
@@ -74,11 +86,21 @@ def _fused_step_case(poison_rank: int, fused: bool) -> dict[str, Any]:
     return out
 
 
-def test_fused_step_has_no_host_read_on_two_gloo_ranks(pool2: Pool) -> None:
-    results = pool2.run(_fused_step_case, 1, True, timeout=120)
+@pytest.mark.parametrize(
+    ("fused", "opt_kind"),
+    [(True, "adamw"), (False, "adamw"), (False, "sgd"), (False, "sgd_momentum")],
+    ids=["fused-adamw", "adamw-through-fused-kernel", "sgd-through-fused-kernel", "sgd-momentum"],
+)
+def test_fused_step_has_no_host_read_on_two_gloo_ranks(
+    pool2: Pool, fused: bool, opt_kind: str
+) -> None:
+    # Unfused torch optimizers run through torch's fused kernel after unscale_and_clip_ (for
+    # SGD over FSDP2's DTensors on their local shards): no host read there either.
+    results = pool2.run(_fused_step_case, 1, fused, opt_kind, timeout=120)
     for res in results:
         assert isinstance(res, dict)
         assert res["seen"] == [[], [], []], res["seen"]
+        assert res["calls"] == [1, 1, 1]  # the step's one collective
         # Step 2 overflowed on rank 1 only: every rank skipped it, the others stepped.
         assert res["skipped"] == [False, True, False]
         assert not math.isfinite(res["norms"][1])
@@ -90,7 +112,8 @@ def test_fused_step_has_no_host_read_on_two_gloo_ranks(pool2: Pool) -> None:
 def test_the_detector_sees_the_one_sync_of_an_unfused_step(pool2: Pool) -> None:
     # An unfused optimizer runs on the host's say-so: the same probe must catch that read,
     # or the test above proves nothing.
-    results = pool2.run(_fused_step_case, 1, False, timeout=120)
+    # The multiply path, asked for: the optimizer runs as built, on the host's say-so.
+    results = pool2.run(_fused_step_case, 1, False, "adamw", False, timeout=120)
     for res in results:
         assert isinstance(res, dict)
         assert all("aten::_local_scalar_dense" in seen for seen in res["seen"]), res["seen"]

@@ -146,6 +146,13 @@ def run_pair(
         return torch_clip(ref_model, max_norm, p, dtype)
 
     ref_norms, ref_scales = train(ref_model, ref_opt, data, ref_clip, ref_scaler)
+    if dtype is not torch.float32:
+        # In float32 the step runs through torch's fused kernel (default): parity within the
+        # bounds below. In bf16/fp16 the kernel computes the update in float32 without rounding
+        # the unscaled gradient first, so parameters drift from torch's by ulps that feed back
+        # through later gradients: the multiply path is compared here, the kernel's one step
+        # in test_fused_optimizer.
+        our_kw.setdefault("fuse_optimizer", False)
     ours = ShardedGradScaler("cpu", backend=our_kw.pop("backend", "local"), **SCALER_KW)
     returned: list[torch.Tensor] = []
     exact: list[float] = []

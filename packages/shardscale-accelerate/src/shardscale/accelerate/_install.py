@@ -189,7 +189,11 @@ def _clip_grad_norm_(
                 it.end()
             if id(opt) not in it.unscaled:
                 # The usual case (clip_grad_norm_(model.parameters(), ...)): one fused pass.
-                norm = unscale_and_clip_(scaler, opt, float(max_norm), float(norm_type))
+                # The user's code (and transformers' on_pre_optimizer_step callbacks) runs
+                # between this clip and the step: leave the gradients unscaled.
+                norm = unscale_and_clip_(
+                    scaler, opt, float(max_norm), float(norm_type), fuse_optimizer=False
+                )
                 it.mark_unscaled(opt)  # not while disabled: its iterations are never recorded
                 return norm
     # Several optimizers' parameters, a subset, or gradients already unscaled: unscale every

@@ -12,7 +12,10 @@ and a non-finite flag over every local gradient go through ONE all-reduce, then
   (one R+W pass) and steps on what torch's recipe would have given it;
 * an optimizer with ``_step_supports_amp_scaling`` (fused Adam/AdamW/SGD)
   gets nothing multiplied: ``scaler.step()`` hands it grad_scale = s / coef
-  and found_inf, and it divides inside its own kernel.
+  and found_inf, and it divides inside its own kernel;
+* so does an unfused torch SGD/Adam/AdamW by default: ``scaler.step()`` runs
+  its step through torch's fused kernel ([Note: the apply folded into the
+  optimizer] in shardscale.core; ``fuse_optimizer=False`` multiplies instead).
 
 On overflow (any non-finite gradient on any rank, counted or not) coef is 1,
 so the gradients end as torch's unscale_ leaves them, the optimizer skips the
@@ -58,6 +61,7 @@ def unscale_and_clip_(
     foreach: bool | None = None,
     *,
     stats: StreamingStats | None = None,
+    fuse_optimizer: bool | None = None,
 ) -> torch.Tensor:
     """Do ``scaler.unscale_(optimizer)`` then ``clip_grad_norm_(params, max_norm)`` in one pass.
 
@@ -72,7 +76,10 @@ def unscale_and_clip_(
 
     Call it once per optimizer per iteration, after backward and before
     ``scaler.step(optimizer)``. After it, gradients of a fused optimizer are
-    still scaled; read the returned norm rather than the gradients.
+    still scaled, and so are those of a torch SGD/Adam/AdamW whose step the
+    scaler runs through torch's fused kernel (``fuse_optimizer``); read the
+    returned norm rather than the gradients, or pass ``fuse_optimizer=False``
+    where code reads them before the step.
 
     Args:
         scaler: a :class:`shardscale.core.ShardedGradScaler` (its process group,
@@ -86,6 +93,10 @@ def unscale_and_clip_(
             gradient in a post-accumulate-grad hook during backward, so only
             the collective and the multiply remain here (see
             [Note: streaming statistics]; docs/fused-step.md says when it pays).
+        fuse_optimizer: leave an unfused torch SGD/Adam/AdamW's gradients
+            scaled and its step to torch's fused kernel (``True``: raise on
+            every rank when it cannot), or multiply them now (``False``);
+            ``None``: the scaler's ``fuse_optimizer``.
 
     Returns:
         The true (unscaled) global norm as a 0-dim tensor on the scale's device
@@ -110,7 +121,12 @@ def unscale_and_clip_(
         )
     kernels = kernels_name(foreach, scaler.step_config.kernels)
     norm = scaler.unscale_(
-        optimizer, max_norm=max_norm, norm_type=norm_type, kernels=kernels, stats=stats
+        optimizer,
+        max_norm=max_norm,
+        norm_type=norm_type,
+        kernels=kernels,
+        stats=stats,
+        fuse_optimizer=fuse_optimizer,
     )
     assert norm is not None
     return norm

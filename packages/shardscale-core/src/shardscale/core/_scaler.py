@@ -48,6 +48,11 @@ from shardscale.core._contract import (
 )
 from shardscale.core._errors import DeclarationError
 from shardscale.core._gradients import optimizer_params
+from shardscale.core._optimizer_fusion import (
+    FIRST_MOMENTUM_STEP,
+    fused_kernel_step,
+    fusion_refusal,
+)
 from shardscale.core._overflow import OverflowReport, build_overflow_report
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, StepRecord
 from shardscale.core._registry import Registry, get_registry
@@ -101,11 +106,14 @@ class _OptimizerState(dict[str, Any]):
     gradients scaled.
     """
 
-    __slots__ = ("_verdict_skip", "grad_scale", "overflow", "pending", "reason")
+    __slots__ = ("_verdict_skip", "folded", "grad_scale", "overflow", "pending", "reason")
 
     def __init__(self) -> None:
         super().__init__(stage=OptState.READY, found_inf_per_device={})
         self.grad_scale: torch.Tensor | None = None
+        #: The apply was left to torch's fused kernel for this unfused optimizer (its
+        #: gradients are still scaled): ``step`` must run it fused.
+        self.folded = False
         self.pending: StepResult | None = None
         #: The step's non-finite-gradient flag (what backs the scale off) and its SkipReason;
         #: ``found_inf_per_device`` holds the verdict the optimizer obeys (any reason).
@@ -237,6 +245,21 @@ class ShardedGradScaler:
         check_loss: ``scale(loss)`` also records whether the loss is finite;
             a non-finite loss on any rank skips the step on every rank (see
             :meth:`observe_loss`).
+        fuse_optimizer: run an unfused torch SGD/Adam/AdamW step through
+            torch's fused kernel, which takes the unscale and clip factor
+            (``grad_scale``) and the skip (``found_inf``) inside its own pass:
+            one gradient pass and the unfused step's host sync fewer
+            (docs/step-engine.md, "the apply folded into the optimizer").
+            ``None`` (default): after ``unscale_(optimizer, max_norm=...)`` /
+            ``unscale_and_clip_`` whenever the optimizer qualifies (that path
+            already differs from torch's recipe at rounding level), never on
+            a plain ``step``, which keeps torch's exact numbers; ``True``: on
+            every step, raising on every rank, naming why, when the optimizer
+            does not qualify; ``False``: never. The result differs from the
+            foreach step at rounding level only. The gradients then stay
+            scaled between ``unscale_and_clip_`` and ``step`` (as for a fused
+            optimizer); the kernel writes them back unscaled, except on a
+            skipped step, which leaves them as they were.
     """
 
     _device: str
@@ -277,6 +300,7 @@ class ShardedGradScaler:
     _streak: SkipStreak
     _loss_flag: torch.Tensor | None
     _last_reason: torch.Tensor | None
+    _fuse_optimizer: bool | None
 
     def __init__(
         self,
@@ -300,6 +324,7 @@ class ShardedGradScaler:
         spike: SpikeSkip | None = None,
         max_consecutive_skips: int | None = None,
         check_loss: bool = False,
+        fuse_optimizer: bool | None = None,
     ) -> None:
         if not isinstance(device, str):
             device = torch.device(device).type  # accept torch.device too
@@ -321,6 +346,9 @@ class ShardedGradScaler:
         if not isinstance(check_loss, bool):
             raise TypeError(f"check_loss must be True or False, got {check_loss!r}")
         self._check_loss = check_loss
+        if fuse_optimizer not in (None, True, False):
+            raise TypeError(f"fuse_optimizer must be None, True or False, got {fuse_optimizer!r}")
+        self._fuse_optimizer = fuse_optimizer
         self._spike_window = SpikeWindow(self._spike) if self._spike is not None else None
         self._loss_flag: torch.Tensor | None = None
         self._last_reason: torch.Tensor | None = None
@@ -559,9 +587,10 @@ class ShardedGradScaler:
         kernels = options.pop("kernels", None)
         if kernels is not None:
             config = dataclasses.replace(config, kernels=kernels)
-        refusal = None
+        refusal = options.pop("refusal", None)
         if self._distinct_params:
-            config, refusal = self._own_declarations(optimizer, config)
+            config, declared = self._own_declarations(optimizer, config)
+            refusal = declared or refusal
         self._streak.check()  # a streak an accelerator reported late stops every rank here
         if self._spike is not None and any(ref() is not optimizer for ref, _ in self._iteration):
             # Same on every rank (they step the same optimizers), so raised before the collective.
@@ -641,6 +670,31 @@ class ShardedGradScaler:
             )
         return state
 
+    def _folds(
+        self, optimizer: torch.optim.Optimizer, choice: bool | None = None
+    ) -> tuple[bool, ValueError | None]:
+        """Whether ``optimizer``'s step runs through torch's fused kernel, and why not if asked.
+
+        ``choice`` overrides the scaler's ``fuse_optimizer``. A fused optimizer
+        needs nothing: it takes ``grad_scale`` itself. The error is for
+        ``fuse_optimizer=True`` when the optimizer does not qualify.
+        """
+        if choice not in (None, True, False):
+            raise TypeError(f"fuse_optimizer must be None, True or False, got {choice!r}")
+        wanted = self._fuse_optimizer if choice is None else choice
+        if wanted is False or getattr(optimizer, "_step_supports_amp_scaling", False):
+            return False, None
+        why = fusion_refusal(optimizer)
+        if why is None:
+            return True, None
+        if wanted is None or why == FIRST_MOMENTUM_STEP:
+            return False, None  # auto, or a first step only: today's path, silently
+        return False, ValueError(
+            f"fuse_optimizer=True, but this {type(optimizer).__name__}'s step cannot run through "
+            f"torch's fused kernel: {why}. Pass fuse_optimizer=None to use the kernel only where "
+            "it applies, or False"
+        )
+
     def unscale_(
         self,
         optimizer: torch.optim.Optimizer,
@@ -649,6 +703,7 @@ class ShardedGradScaler:
         norm_type: float = 2.0,
         kernels: str | None = None,
         stats: PrecomputedNorms | None = None,
+        fuse_optimizer: bool | None = None,
     ) -> torch.Tensor | None:
         """Divide the optimizer's gradients by the scale and agree on overflow across ranks.
 
@@ -661,6 +716,10 @@ class ShardedGradScaler:
         and returns that norm (see ``shardscale.clip.unscale_and_clip_``, the
         validating front end); a fused optimizer's gradients are then left
         scaled and :meth:`step` hands it ``grad_scale = scale / clip_coef``.
+        So are those of an unfused torch SGD/Adam/AdamW whose step the scaler
+        runs through torch's fused kernel (``fuse_optimizer``: this call's
+        choice, ``None`` the scaler's; see the class). Without ``max_norm``
+        the gradients are always left unscaled.
         ``kernels`` overrides the scaler's stats kernels; ``stats`` supplies
         per-gradient norms read during backward (``StreamingStats``).
         """
@@ -675,6 +734,8 @@ class ShardedGradScaler:
         what = "unscale_()" if max_norm is None else "unscale_and_clip_()"
         state = self._check_can_unscale(optimizer, what)
         self._ensure_scale(optimizer)
+        # A refusal of fuse_optimizer=True reaches every rank through this step's collective.
+        fold, refusal = self._folds(optimizer, fuse_optimizer)
         if max_norm is None and self._spike is not None:
             # The spike test needs the global norm: read in the same pass, in the same collective
             # (a multiply by 1/scale after the read; nothing to write when the scale is 1).
@@ -683,6 +744,7 @@ class ShardedGradScaler:
                 Apply.MULTIPLY if self._loss_scaling else Apply.NOTHING,
                 norm_type=2.0,
                 kernels=kernels,
+                refusal=refusal,
             )
             state.record(result, grad_scale=None)
             self._last_grad_norm = result.norm
@@ -698,13 +760,14 @@ class ShardedGradScaler:
                 kernels=kernels,
                 defer_errors=True,
                 lazy=True,
+                refusal=refusal,
             )
             if result.local_error is not None:
                 result.wait()
                 result.raise_errors()
             state.record(result, grad_scale=None)
             return None
-        fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        fused = fold or bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         result = self._run(
             optimizer,
             Apply.FUSED if fused else Apply.MULTIPLY,
@@ -712,8 +775,10 @@ class ShardedGradScaler:
             max_norm=max_norm,
             kernels=kernels,
             precomputed=stats,
+            refusal=refusal,
         )
         state.record(result, grad_scale=result.grad_scale)
+        state.folded = fold
         self._last_grad_norm = result.norm
         return result.norm
 
@@ -836,6 +901,11 @@ class ShardedGradScaler:
             )
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             return self._fused_step(optimizer, state, scale, args, kwargs)
+        # Left scaled for torch's fused kernel by unscale_and_clip_; or, only when asked for
+        # (fuse_optimizer=True: torch's own numbers are the default here), not yet read or
+        # unscaled by an explicit unscale_ (the kernel then gets grad_scale None).
+        if state.folded or (self._fuse_optimizer is True and self._folds(optimizer)[0]):
+            return self._fused_step(optimizer, state, scale, args, kwargs, fold=True)
         if state.stage is OptState.READY:
             self.unscale_(optimizer)
         found_inf = state.found_inf(scale.device)
@@ -868,9 +938,12 @@ class ShardedGradScaler:
         scale: torch.Tensor,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        *,
+        fold: bool = False,
     ) -> Any:
         # Fused optimizers unscale and skip on device: no host sync, no separate unscale pass.
-        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+        # ``fold``: an unfused torch optimizer run through torch's fused kernel for this step.
+        if not fold and "grad_scaler" in inspect.signature(optimizer.step).parameters:
             # torch's older contract (apex-style optimizers): pass the scaler itself; the
             # optimizer calls _check_inf_per_device / _get_scale_async as it needs.
             warnings.warn(
@@ -890,12 +963,24 @@ class ShardedGradScaler:
                 self._last_grad_norm = result.norm
             else:
                 result = self._run(optimizer, Apply.NOTHING, defer_errors=True, lazy=True)
-            state.record(result, grad_scale=scale * getattr(optimizer, "grad_scale", 1))
-        elif state.grad_scale is None:
+                if result.local_error is not None:  # this rank's own error: before any record
+                    result.wait()
+                    result.raise_errors()
+            if fold:
+                # With the scale fixed at 1 there is nothing to divide by.
+                state.record(result, grad_scale=scale if self._loss_scaling else None)
+                state.folded = True
+            else:
+                state.record(result, grad_scale=scale * getattr(optimizer, "grad_scale", 1))
+        elif state.grad_scale is None and not fold:
             state.grad_scale = getattr(optimizer, "grad_scale", None)
         found_inf = state.found_inf(scale.device)
         if found_inf is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
+        if fold:
+            retval = fused_kernel_step(optimizer, state.grad_scale, found_inf, *args, **kwargs)
+            state.stage = OptState.STEPPED
+            return retval
         optimizer.grad_scale = state.grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         try:

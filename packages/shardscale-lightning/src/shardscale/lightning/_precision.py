@@ -275,7 +275,9 @@ class ShardscalePrecision(FSDPPrecision):
             return closure_result
         clip_val = self._trainer_clip_value(model)
         if clip_val is not None:
-            self._norms.append(unscale_and_clip_(scaler, optimizer, max_norm=clip_val))
+            # Unscaled now (fuse_optimizer=False): on_before_optimizer_step reads the gradients.
+            norm = unscale_and_clip_(scaler, optimizer, max_norm=clip_val, fuse_optimizer=False)
+            self._norms.append(norm)
             it.mark_unscaled(optimizer)
             self._clipped.add(id(optimizer))
         elif not _handles_unscaling(optimizer):
@@ -377,7 +379,10 @@ class ShardscalePrecision(FSDPPrecision):
             and scaler.is_enabled()
             and id(optimizer) not in it.unscaled
         ):
-            norm = unscale_and_clip_(scaler, optimizer, max_norm=float(clip_val))
+            # The module's code runs between this clip and the step: keep the gradients unscaled.
+            norm = unscale_and_clip_(
+                scaler, optimizer, max_norm=float(clip_val), fuse_optimizer=False
+            )
             it.mark_unscaled(optimizer)
         elif scaler is not None:
             # Already unscaled (or scaling off): clip with the scaler's whole configuration.

@@ -10,28 +10,41 @@ memory work, optimizer included, is a number of passes:
   the parameter and both moments, 7;
 * torch's recipe adds unscale (R+W), the norm (R) and the clip multiply
   (R+W): 5 more, so 8 (SGD) / 12 (Adam);
-* the floor for one read of statistics is that read plus the optimizer, plus
-  one R+W multiply where the optimizer cannot take the coefficient itself
-  (``fused=True`` optimizers take ``grad_scale``): 6 (SGD) / 8 (Adam), so a
-  post-processing time of 0.75 / 0.67 of torch's where memory bound;
+* the floor for one read of statistics is that read plus the optimizer taking
+  the unscale and clip factor (``grad_scale``) inside its own pass: 4 (SGD) /
+  8 (Adam), so a post-processing time of 0.5 / 0.67 of torch's where memory
+  bound. Every torch SGD/Adam/AdamW takes it: a fused one itself, an unfused
+  one because the scaler runs its step through torch's fused kernel after
+  ``unscale_and_clip_`` ([Note: the apply folded into the optimizer] in
+  shardscale.core); another optimizer adds one R+W multiply;
 * with statistics streamed in backward the read leaves post-processing:
-  5 / 7 (0.62 / 0.58), plus the read in the hooks.
+  3 / 7 (0.38 / 0.58), plus the read in the hooks.
 
-torch's fused Adam kernel writes each gradient back, divided by
-``grad_scale``, when it is given one (the CPU and the CUDA kernel alike), so
-with torch's kernel ours counts one pass above that floor: 9 (8 streamed).
+torch's fused kernels (SGD and Adam, CPU and CUDA alike) write each gradient
+back, divided by ``grad_scale``, when they are given one, so with torch's
+kernels ours counts one pass above that floor: 5 / 9 (4 / 8 streamed), 0.62 /
+0.75 of torch's passes.
 The benchmark prints the passes it counted (``GradBytesCounter``, gradients
 plus parameters and optimizer state) beside the floor and the measured ratio.
 """
 
 from __future__ import annotations
 
-__all__ = ["FUSED", "OPTIMIZER_PASSES", "floor_passes", "floor_ratio"]
+__all__ = [
+    "KERNEL_WRITE_BACK",
+    "OPTIMIZER_PASSES",
+    "TAKES_GRAD_SCALE",
+    "floor_passes",
+    "floor_ratio",
+]
 
 #: Passes of the optimizer's own step over gradient, parameter and state memory.
 OPTIMIZER_PASSES = {"sgd": 3, "adam_fused": 7}
-#: Whether the benchmark's optimizer takes ``grad_scale``/``found_inf`` itself.
-FUSED = {"sgd": False, "adam_fused": True}
+#: Whether ours hands the benchmark's optimizer ``grad_scale``/``found_inf`` (the foreach SGD
+#: through torch's fused kernel) instead of multiplying its gradients first.
+TAKES_GRAD_SCALE = {"sgd": True, "adam_fused": True}
+#: The write-back of the unscaled gradient by torch's fused kernels when given ``grad_scale``.
+KERNEL_WRITE_BACK = 1
 #: torch's unscale (R+W), norm (R) and clip multiply (R+W).
 _TORCH_EXTRA = 5
 
@@ -48,7 +61,7 @@ def floor_passes(arm: str, optimizer: str) -> int | None:
         return _TORCH_EXTRA + own
     if not arm.startswith("ours"):
         return None
-    multiply = 0 if FUSED[optimizer] else 2
+    multiply = 0 if TAKES_GRAD_SCALE[optimizer] else 2
     read = 0 if "streaming" in arm else 1
     return read + multiply + own
 

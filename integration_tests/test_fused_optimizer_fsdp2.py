@@ -1,0 +1,141 @@
+"""Unfused torch optimizers over FSDP2 stepped through torch's fused kernel, on 2 gloo ranks.
+
+Against torch's own recipe in the same processes (torch's FSDP ShardedGradScaler
++ ``unscale_`` + ``clip_grad_norm_`` + the optimizer as built). Both arms get
+the same scaled gradients each step (written into FSDP2's sharded gradients,
+not taken from a backward through parameters that may differ by a rounding),
+with an overflow on rank 1 only at one step. SGD has no DTensor rule for its
+fused kernel in torch, so ours runs it on the local shards: what this checks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from mp_harness import Pool
+from tolerances import clipped_grad_rtol
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+STEPS = 5
+OVERFLOW_STEP = 2
+LR = 1e-2
+
+
+def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=LR, foreach=True)
+    if kind == "sgd_momentum":
+        return torch.optim.SGD(params, lr=LR, momentum=0.9, weight_decay=0.01, nesterov=True)
+    return torch.optim.AdamW(params, lr=LR, eps=1e-3, amsgrad=True)
+
+
+def _arm(kind: str, ours: bool) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchScaler
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from shardscale.clip import unscale_and_clip_
+    from shardscale.core import ShardedGradScaler
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 6))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    params = list(model.parameters())
+    opt = _optimizer(kind, params)
+    kw: dict[str, Any] = {"init_scale": 2.0**10, "growth_interval": 2}
+    scaler: Any = (
+        ShardedGradScaler("cpu", backend="c10d", **kw) if ours else TorchScaler("cpu", **kw)
+    )
+    gen = torch.Generator().manual_seed(3)
+    folded = []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(torch.zeros(()))  # the scale exists (torch's scaler makes it here)
+        s = scaler.get_scale()
+        for p in params:
+            full = torch.randn(p.shape, generator=gen) * 0.01 * (1 + step)
+            assert isinstance(p, DTensor)
+            g = distribute_tensor(full * s, p.device_mesh, p.placements, src_data_rank=None)
+            if step == OVERFLOW_STEP and rank == 1 and p is params[0]:
+                g.to_local().view(-1)[-1] = math.inf  # in rank 1's shard only
+            p.grad = g
+        if ours:
+            unscale_and_clip_(scaler, opt, 0.05)
+            folded.append(scaler._per_optimizer_states[id(opt)].folded)
+        else:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(params, 0.05)
+        scaler.step(opt)
+        scaler.update()
+    state = [
+        {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in opt.state[p].items()}
+        for p in params
+        if p in opt.state
+    ]
+    dtensor_state = all(
+        isinstance(v, DTensor)
+        for p in params
+        for k, v in opt.state.get(p, {}).items()
+        if k != "step"
+    )
+    return {
+        "params": [p.full_tensor() for p in params],
+        "state": state,
+        "scale": scaler.get_scale(),
+        "folded": folded,
+        "dtensor_state": dtensor_state,
+        "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+    }
+
+
+def _both(kind: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    return _arm(kind, True), _arm(kind, False)
+
+
+def _bounds(kind: str, numel: int) -> tuple[float, float]:
+    # As in packages/shardscale-core/tests/test_fused_optimizer.py: per step the unscaled,
+    # clipped gradient differs by clipped_grad_rtol, each update by one float32 rounding per
+    # arm; SGD's update moves by lr·|g|·delta (|buffer| <= max|g| / (1 - momentum)), Adam's
+    # by lr·|m/sqrt(v)|·2·delta (|m/sqrt(v)| below ~32 for the default betas). Summed over steps.
+    delta = clipped_grad_rtol(numel, torch.float32, 2.0)
+    eps = torch.finfo(torch.float32).eps
+    rtol = STEPS * (2 * delta + 2 * eps)
+    if kind.startswith("sgd"):
+        atol = STEPS * LR * (0.01 * STEPS * 5 / (1 - 0.9)) * 2 * delta
+    else:
+        atol = STEPS * LR * 32 * 2 * delta
+    return rtol, atol
+
+
+@pytest.mark.parametrize("kind", ["sgd", "sgd_momentum", "adamw"])
+def test_fsdp2_through_the_fused_kernel_matches_torchs_recipe(pool2: Pool, kind: str) -> None:
+    results = pool2.run(_both, kind, timeout=120)
+    for ours, ref in results:  # type: ignore[misc]
+        # Momentum SGD multiplies until its buffers exist (its first step), then folds.
+        first = 1 if kind == "sgd_momentum" else 0
+        assert ours["folded"] == [False] * first + [True] * (STEPS - first)
+        assert ours["scale"] == ref["scale"]  # one overflow (rank 1 only), growth after
+        assert ours["groups"] == ref["groups"]  # the user's flags, unchanged
+        assert ours["dtensor_state"]  # the state holds DTensors, not the shards it ran on
+        numel = sum(p.numel() for p in ref["params"])
+        rtol, atol = _bounds(kind, numel)
+        for p, q in zip(ours["params"], ref["params"], strict=True):
+            torch.testing.assert_close(p, q, rtol=rtol, atol=atol)
+        assert [sorted(s) for s in ours["state"]] == [sorted(s) for s in ref["state"]]
+        for s, r in zip(ours["state"], ref["state"], strict=True):
+            for key in r:
+                exact = key == "step"  # skipped steps not counted, on both
+                torch.testing.assert_close(
+                    s[key], r[key], rtol=0 if exact else rtol, atol=0 if exact else atol
+                )

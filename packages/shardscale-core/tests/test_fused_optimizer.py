@@ -1,0 +1,330 @@
+"""An unfused torch SGD/Adam/AdamW stepped through torch's fused kernel (``fuse_optimizer``).
+
+Compared, in one process, with torch's own recipe on the same optimizer built
+the same way: ``torch.amp.GradScaler`` + ``unscale_`` + ``clip_grad_norm_`` +
+the unfused ``step``. Both arms get the *same* scaled gradients every step
+(set directly, not from a backward through parameters that may differ by a
+rounding), so their differences are the per-step roundings only.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from tolerances import clipped_grad_rtol
+
+from shardscale.core import ShardedGradScaler
+from shardscale.core._optimizer_fusion import fusion_refusal
+
+SHAPES = ((16, 12), (16,), (4, 16), (4,))
+STEPS = 6
+OVERFLOW = (0, 3)  # a skipped first step, and one later
+SCALER_KW: dict[str, Any] = {"init_scale": 2.0**10, "growth_interval": 2}
+LR = 1e-2
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=LR, foreach=True),
+    "sgd_loop": lambda p: torch.optim.SGD(p, lr=LR, foreach=False),
+    "sgd_momentum_wd_nesterov": lambda p: torch.optim.SGD(
+        p, lr=LR, momentum=0.9, weight_decay=0.01, nesterov=True
+    ),
+    "sgd_dampening_maximize": lambda p: torch.optim.SGD(
+        p, lr=LR, momentum=0.5, dampening=0.3, maximize=True
+    ),
+    # eps=1e-3, not tiny: Adam's update is nearly scale-invariant, this makes it see the scale.
+    "adam": lambda p: torch.optim.Adam(p, lr=LR, eps=1e-3),
+    "adam_wd_maximize": lambda p: torch.optim.Adam(
+        p, lr=LR, eps=1e-3, weight_decay=0.1, maximize=True
+    ),
+    "adamw_amsgrad": lambda p: torch.optim.AdamW(p, lr=LR, eps=1e-3, amsgrad=True),
+}
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.1) for s in SHAPES]
+
+
+def _grads() -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    steps = []
+    for k in range(STEPS):
+        # Growing gradients: a max_norm between their norms clips only some steps.
+        grads = [torch.randn(s, generator=gen) * 0.01 * (0.5 + k) for s in SHAPES]
+        if k in OVERFLOW:
+            grads[k % len(SHAPES)].view(-1)[3] = math.inf
+        steps.append(grads)
+    return steps
+
+
+def _max_norm(steps: list[list[torch.Tensor]]) -> float:
+    norms = sorted(
+        float(torch.nn.utils.get_total_norm(g)) for k, g in enumerate(steps) if k not in OVERFLOW
+    )
+    return norms[len(norms) // 2]
+
+
+def _set_grads(params: list[torch.nn.Parameter], grads: list[torch.Tensor], scale: float) -> None:
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g * scale  # a power of two: exactly the scaled gradient in both arms
+
+
+def _numel() -> int:
+    return sum(math.prod(s) for s in SHAPES)
+
+
+def _bounds(name: str) -> tuple[float, float]:
+    """(rtol, atol) for parameters and optimizer state after STEPS steps of the two arms.
+
+    Per step the arms differ only in roundings: the unscaled, clipped gradient by
+    ``clipped_grad_rtol`` (the kernel divides by scale/coef, torch multiplies by
+    1/scale, then by coef), each parameter and state update by one float32 rounding
+    per arm. A gradient error delta moves SGD's update by lr·|g|·delta, its momentum
+    buffer by delta relatively (|buffer| <= max|g| / (1 - momentum)); Adam's moments
+    by delta and 2·delta relatively and its update (|m/sqrt(v)| below ~32 for the
+    default betas) by at most 2·delta of that. Summed over the steps.
+    """
+    delta = clipped_grad_rtol(_numel(), torch.float32, 2.0)
+    eps = torch.finfo(torch.float32).eps
+    rtol = STEPS * (2 * delta + 2 * eps)
+    if name.startswith("sgd"):
+        g_max = 0.01 * (0.5 + STEPS) * 5  # |randn| < 5 for these few hundred draws
+        atol = STEPS * LR * (g_max / (1 - 0.9)) * 2 * delta
+    else:
+        atol = STEPS * LR * 32 * 2 * delta
+    return rtol, atol
+
+
+def _state(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
+    return [dict(opt.state[p]) for p in params if p in opt.state]
+
+
+def _torch_recipe(name: str, steps: list[list[torch.Tensor]], max_norm: float) -> Any:
+    params = _params()
+    opt = OPTIMIZERS[name](params)
+    scaler = torch.amp.GradScaler("cpu", **SCALER_KW)
+    scaler.scale(torch.zeros(()))  # torch's scaler makes its scale here
+    scales = []
+    for grads in steps:
+        opt.zero_grad()
+        _set_grads(params, grads, scaler.get_scale())
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return params, opt, scales
+
+
+def _ours(
+    name: str, steps: list[list[torch.Tensor]], max_norm: float, **kw: Any
+) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer, list[float], list[bool]]:
+    params = _params()
+    opt = OPTIMIZERS[name](params)
+    scaler = ShardedGradScaler("cpu", backend="local", **SCALER_KW, **kw)
+    scales, folded = [], []
+    for grads in steps:
+        opt.zero_grad()
+        _set_grads(params, grads, scaler.get_scale())
+        scaler.unscale_(opt, max_norm=max_norm)
+        folded.append(scaler._per_optimizer_states[id(opt)].folded)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return params, opt, scales, folded
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_parity_with_torchs_recipe_over_skipped_and_clipped_steps(name: str) -> None:
+    steps = _grads()
+    max_norm = _max_norm(steps)
+    ref_params, ref_opt, ref_scales = _torch_recipe(name, steps, max_norm)
+    params, opt, scales, folded = _ours(name, steps, max_norm)
+    # Momentum SGD takes the multiply path until its buffers exist (after the first step
+    # that is not skipped); every other step ran through torch's fused kernel.
+    first = 2 if opt.param_groups[0].get("momentum", 0) else 0
+    assert folded == [False] * first + [True] * (STEPS - first)
+    assert scales == ref_scales  # same skips, same growth and backoff
+    rtol, atol = _bounds(name)
+    for p, q in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=rtol, atol=atol)
+    ours, ref = _state(opt, params), _state(ref_opt, ref_params)
+    assert [sorted(s) for s in ours] == [sorted(s) for s in ref]
+    for s, r in zip(ours, ref, strict=True):
+        for key in r:
+            # The step counters (skipped steps not counted) are equal exactly.
+            exact = key == "step"
+            torch.testing.assert_close(
+                s[key], r[key], rtol=0 if exact else rtol, atol=0 if exact else atol
+            )
+    # The flags the user built the optimizer with, unchanged.
+    assert opt.param_groups[0]["fused"] in (None, False)
+    assert opt.param_groups[0]["foreach"] == ref_opt.param_groups[0]["foreach"]
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum_wd_nesterov", "adamw_amsgrad"])
+def test_a_skipped_step_changes_nothing(name: str) -> None:
+    steps = _grads()
+    params = _params()
+    opt = OPTIMIZERS[name](params)
+    scaler = ShardedGradScaler("cpu", backend="local", **SCALER_KW)
+    for k in (1, 2):  # two clean steps: every state exists, the kernel runs
+        opt.zero_grad()
+        _set_grads(params, steps[k], scaler.get_scale())
+        scaler.unscale_(opt, max_norm=1e9)
+        scaler.step(opt)
+        scaler.update()
+    before = [p.detach().clone() for p in params], copy.deepcopy(_state(opt, params))
+    opt.zero_grad()
+    _set_grads(params, steps[3], scaler.get_scale())  # holds an inf
+    scaler.unscale_(opt, max_norm=1e9)
+    assert scaler._per_optimizer_states[id(opt)].folded
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped is not None and bool(scaler.last_step_skipped)
+    for p, b in zip(params, before[0], strict=True):
+        assert torch.equal(p.detach(), b)
+    for s, b in zip(_state(opt, params), before[1], strict=True):
+        assert s.keys() == b.keys()
+        assert all(torch.equal(s[k], b[k]) for k in s)
+
+
+def test_a_plain_step_keeps_torchs_exact_numbers_unless_asked() -> None:
+    steps = _grads()
+    runs = {}
+    for choice in (None, True):
+        params = _params()
+        opt = torch.optim.SGD(params, lr=LR)
+        scaler = ShardedGradScaler("cpu", backend="local", fuse_optimizer=choice, **SCALER_KW)
+        ref_params = _params()
+        ref_opt = torch.optim.SGD(ref_params, lr=LR)
+        ref = torch.amp.GradScaler("cpu", **SCALER_KW)
+        ref.scale(torch.zeros(()))
+        for grads in steps:
+            for ps, o, s in ((params, opt, scaler), (ref_params, ref_opt, ref)):
+                o.zero_grad()
+                _set_grads(ps, grads, s.get_scale())
+                s.step(o)
+                s.update()
+        runs[choice] = [torch.equal(p, q) for p, q in zip(params, ref_params, strict=True)]
+        assert scaler.get_scale() == ref.get_scale()
+    assert all(runs[None])  # default: torch's unscale kernel, bit-identical
+    # True: dividing by a power-of-two scale is exact too, then the same SGD update.
+    assert all(runs[True])
+
+
+class _OwnStep(torch.optim.SGD):
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        return super().step(closure)
+
+
+FALLBACKS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
+    "overrides step": lambda p: _OwnStep(p, lr=LR),
+    "differentiable": lambda p: torch.optim.SGD(p, lr=LR, differentiable=True),
+    "not an SGD/Adam": lambda p: torch.optim.RMSprop(p, lr=LR),
+}
+
+
+@pytest.mark.parametrize("case", list(FALLBACKS))
+def test_optimizers_the_kernel_cannot_run_take_the_multiply(case: str) -> None:
+    steps = _grads()
+    params = _params()
+    opt = FALLBACKS[case](params)
+    scaler = ShardedGradScaler("cpu", backend="local", **SCALER_KW)
+    _set_grads(params, steps[1], scaler.get_scale())
+    scaler.unscale_(opt, max_norm=1e9)
+    assert not scaler._per_optimizer_states[id(opt)].folded
+    for p, g in zip(params, steps[1], strict=True):
+        assert torch.equal(p.grad, g)  # type: ignore[arg-type]  # multiplied by 1/2^10: exact
+    # Asked for explicitly: every rank raises, naming why, before any gradient changes.
+    strict = ShardedGradScaler("cpu", backend="local", fuse_optimizer=True, **SCALER_KW)
+    _set_grads(params, steps[1], strict.get_scale())
+    scaled = [p.grad.clone() for p in params]  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="fuse_optimizer=True") as info:
+        strict.unscale_(opt, max_norm=1e9)
+    assert "torch's fused kernel" in str(info.value)
+    assert all(torch.equal(p.grad, s) for p, s in zip(params, scaled, strict=True))  # type: ignore[arg-type]
+
+
+def test_a_dtype_the_kernel_does_not_take_is_refused_by_torchs_own_test() -> None:
+    # The engine itself takes real floating dtypes only, all of which torch's CPU kernels take:
+    # the refusal is checked where it is decided.
+    params = [torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))]
+    why = fusion_refusal(torch.optim.SGD(params, lr=LR))
+    assert why is not None and "complex64" in why
+    assert fusion_refusal(torch.optim.SGD(_params(), lr=LR)) is None
+
+
+def test_groups_and_attributes_are_restored_after_the_step_and_after_an_exception() -> None:
+    params = _params()
+    opt = torch.optim.Adam([{"params": params[:2]}, {"params": params[2:], "foreach": True}], lr=LR)
+    groups = copy.deepcopy(
+        [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    )
+    attrs = set(vars(opt))
+    scaler = ShardedGradScaler("cpu", backend="local", **SCALER_KW)
+
+    def check() -> None:
+        assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
+        assert [g["params"] for g in opt.param_groups] == [params[:2], params[2:]]
+        assert set(vars(opt)) == attrs  # no grad_scale/found_inf/fused-check left behind
+
+    _set_grads(params, _grads()[1], scaler.get_scale())
+    scaler.unscale_(opt, max_norm=1.0)
+    scaler.step(opt)
+    scaler.update()
+    check()
+
+    def boom(*_: Any) -> None:
+        raise RuntimeError("boom")
+
+    handle = opt.register_step_post_hook(boom)
+    _set_grads(params, _grads()[2], scaler.get_scale())
+    scaler.unscale_(opt, max_norm=1.0)
+    with pytest.raises(RuntimeError, match="boom"):
+        scaler.step(opt)
+    handle.remove()
+    check()
+
+
+def test_the_option_is_checked() -> None:
+    with pytest.raises(TypeError, match="fuse_optimizer"):
+        ShardedGradScaler("cpu", fuse_optimizer="yes")  # type: ignore[arg-type]
+
+
+def test_after_an_explicit_unscale_the_kernel_gets_no_grad_scale_and_the_grads_stay_unscaled() -> (
+    None
+):
+    steps = _grads()
+    params, ref_params = _params(), _params()
+    opt = torch.optim.SGD(params, lr=LR, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref_params, lr=LR, momentum=0.9)
+    scaler = ShardedGradScaler("cpu", backend="local", fuse_optimizer=True, **SCALER_KW)
+    ref = torch.amp.GradScaler("cpu", **SCALER_KW)
+    ref.scale(torch.zeros(()))
+    ran_fused: list[bool] = []
+    opt.register_step_pre_hook(lambda o, *_: ran_fused.append(o.param_groups[0]["fused"]))
+    for k in (1, 2, 3, 4):  # step 3 holds an inf
+        for ps, o, s in ((params, opt, scaler), (ref_params, ref_opt, ref)):
+            o.zero_grad()
+            _set_grads(ps, steps[k], s.get_scale())
+            s.unscale_(o)
+        unscaled = [p.grad.clone() for p in params]  # type: ignore[union-attr]
+        scaler.step(opt)
+        ref.step(ref_opt)
+        scaler.update()
+        ref.update()
+        # The kernel got grad_scale None: it left the unscaled gradients as they were.
+        assert all(torch.equal(p.grad, u) for p, u in zip(params, unscaled, strict=True))  # type: ignore[arg-type]
+    # The first step makes the momentum buffers (unfused, even with True: fused is as built),
+    # then the kernel, the skipped step 3 included (it skips on the device, no host read).
+    assert ran_fused == [None, True, True, True]
+    assert scaler.get_scale() == ref.get_scale()
+    rtol, atol = _bounds("sgd_momentum")
+    for p, q in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=rtol, atol=atol)
