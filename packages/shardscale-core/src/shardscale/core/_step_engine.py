@@ -138,7 +138,7 @@ import torch
 from shardscale.core._aliasing import check_no_aliased_grads
 from shardscale.core._contract import ALL_RANKS, check_max_norm, check_norm_type
 from shardscale.core._errors import DeclarationError
-from shardscale.core._gradients import GradBuckets, Traced, collect_grads
+from shardscale.core._gradients import GradBuckets, Trace, collect_grads
 from shardscale.core._plain_adapter import PlainTensorAdapter
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, Handle, ReduceOp
 from shardscale.core._step_arith import TINY64, fill_local, summarize
@@ -525,7 +525,7 @@ class _Local:
     plan: StepPlan | None = None
     warm: bool = False
     #: A cold step's key, catalog and trace, to build a plan from once the checks pass.
-    seed: tuple[Any, object, list[Traced]] | None = None
+    seed: tuple[Any, object, Trace] | None = None
 
     def record(self, exc: BaseException) -> None:
         """Keep the first error; the step goes on with nothing to read."""
@@ -563,7 +563,7 @@ def _collect(items: list[torch.Tensor], config: StepConfig, request: StepRequest
             if warm is not None:
                 local.buckets, local.plan, local.warm = warm, plan, True
                 return local
-        trace: list[Traced] = []
+        trace = Trace()
         local.buckets = collect_grads(
             # A norm must see coalesced sparse values; the scaler, like torch's, coalesces fp16 only.
             _coalesced(items, as_grads=request.as_grads)

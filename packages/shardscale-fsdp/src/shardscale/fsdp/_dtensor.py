@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Hashable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -13,6 +15,9 @@ __all__ = ["DTENSOR_PRIORITY", "DTensorAdapter"]
 
 #: Above the plain-tensor adapter (0), below FSDP1 (which knows more about its parameters).
 DTENSOR_PRIORITY = 20
+_SPEC = operator.attrgetter("_spec")
+_MESH = operator.attrgetter("mesh")
+_PLACEMENTS = operator.attrgetter("placements")
 #: Layouts one adapter remembers (a model has a handful; tests build many meshes).
 _LAYOUTS_KEPT = 256
 
@@ -57,6 +62,24 @@ class DTensorAdapter:
     def claims_type(self, kind: type) -> bool:
         """Every parameter of a DTensor class, and none of another (the registry's shortcut)."""
         return self._dtensor is not None and issubclass(kind, self._dtensor)
+
+    def layout_keys(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ctx: AdapterContext
+    ) -> list[Hashable] | None:
+        """Per gradient, what :meth:`describe`'s ``counts`` and ``ranks`` rest on.
+
+        The identities of its spec's mesh and placements (``describe`` reads
+        nothing else of the gradient, and both live as long as the gradients
+        do), with C-level maps only; None when a gradient is no DTensor
+        (``describe`` names that problem).
+        """
+        del params, ctx
+        if self._dtensor is None or not all(
+            issubclass(kind, self._dtensor) for kind in set(map(type, grads))
+        ):
+            return None
+        specs = list(map(_SPEC, grads))
+        return list(zip(map(id, map(_MESH, specs)), map(id, map(_PLACEMENTS, specs)), strict=True))
 
     def describe(self, param: torch.Tensor, grad: torch.Tensor, ctx: AdapterContext) -> GradShard:
         """The grad's local shard, whether this copy counts, and the mesh's ranks."""
