@@ -152,7 +152,9 @@ def _by_adapter(params: list[torch.Tensor], registry: Registry) -> dict[Any, lis
     by_kind = {kind: registry.adapter_for_type(kind) for kind in set(kinds)}
     if len(by_kind) == 1 and None not in by_kind.values():
         return {next(iter(by_kind.values())): list(range(len(params)))}
-    adapters = [by_kind[kind] or registry.adapter_for(p) for kind, p in zip(kinds, params)]
+    adapters = [
+        by_kind[kind] or registry.adapter_for(p) for kind, p in zip(kinds, params, strict=True)
+    ]
     grouped = positions_by(list(map(id, adapters)))
     return {adapters[positions[0]]: positions for positions in grouped.values()}
 

@@ -125,11 +125,12 @@ normalise per block inside their one read) are called once instead.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import operator
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -138,7 +139,7 @@ import torch
 from shardscale.core._aliasing import check_no_aliased_grads
 from shardscale.core._contract import ALL_RANKS, check_max_norm, check_norm_type
 from shardscale.core._errors import DeclarationError
-from shardscale.core._gradients import GradBuckets, Trace, collect_grads
+from shardscale.core._gradients import GradBuckets, OwnerRefs, Trace, collect_grads
 from shardscale.core._plain_adapter import PlainTensorAdapter
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, Handle, ReduceOp
 from shardscale.core._step_arith import TINY64, fill_local, summarize
@@ -305,7 +306,7 @@ class StepResult:
     vector: torch.Tensor
     world_size: int
     #: (parameter, local tensor) of every local gradient read, for overflow localisation.
-    owners: list[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = field(
+    owners: Collection[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = field(
         default_factory=list
     )
     #: Per local tensor (same order as ``owners``): True where it was finite; None if unknown.
@@ -581,12 +582,12 @@ def _collect(items: list[torch.Tensor], config: StepConfig, request: StepRequest
     return local
 
 
-def _owners(local: _Local) -> list[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]]:
+def _owners(local: _Local) -> OwnerRefs:
     """(parameter, local tensor) weak references in bucket order, for overflow localisation."""
+    tensors = itertools.chain.from_iterable(local.buckets.every.values())
     if local.plan is not None and local.error is None:  # warm, or built from these buckets
-        tensors = [t for bucket in local.buckets.every.values() for t in bucket]
-        return list(zip(local.plan.owner_refs, map(weakref.ref, tensors), strict=True))
-    return [(weakref.ref(param), weakref.ref(t)) for param, t in local.buckets.owner_pairs()]
+        return OwnerRefs(local.plan.owner_refs, list(map(weakref.ref, tensors)))
+    return OwnerRefs.of(local.buckets.params(), tensors)
 
 
 def _group_ranks(config: StepConfig) -> tuple[int, ...] | None:

@@ -206,9 +206,7 @@ def build_plan(
         return None  # the same tensor twice, or an order the trace does not keep
     locals_ = trace.locals
     grads: list[Any] = list(items) if as_grads else list(map(_GRAD, items))
-    present = (
-        grads if len(present_positions) == len(grads) else _pick(grads, present_positions)
-    )
+    present = grads if len(present_positions) == len(grads) else _pick(grads, present_positions)
     dtensor_type = _dtensor_type()
     kinds = {
         kind: dtensor_type is not None and issubclass(kind, dtensor_type)
@@ -226,7 +224,9 @@ def build_plan(
     elif plain and not shards:
         expected = plain
     else:
-        expected = [g._local_tensor if is_dt else g for g, is_dt in zip(present, dtensor)]
+        expected = [
+            g._local_tensor if is_dt else g for g, is_dt in zip(present, dtensor, strict=True)
+        ]
     if not all(map(operator.is_, locals_, expected)) or any(map(_SPARSE, plain)):
         return None
     specs = list(map(_SPEC, shards))
@@ -283,9 +283,7 @@ def warm_buckets(
     plan: StepPlan, items: Sequence[torch.Tensor], *, as_grads: bool
 ) -> GradBuckets | None:
     """This step's buckets through ``plan``, or None when anything the plan rests on changed."""
-    if len(items) != len(plan.refs) or not all(
-        map(operator.is_, map(_CALL, plan.refs), items)
-    ):
+    if len(items) != len(plan.refs) or not all(map(operator.is_, map(_CALL, plan.refs), items)):
         return None  # other tensors, or one of the plan's was freed (its reference is dead)
     grads: Sequence[Any] = items if as_grads else list(map(_GRAD, items))
     if list(map(type, grads)) != plan.grad_types:
