@@ -18,7 +18,9 @@ a 1-D mesh of every rank (2 gloo ranks by default, 1 thread each):
 * **warm**: the same call again on one layout (the common step);
 * **cold**: the first call on a layout never seen before. Ours: the
   parameter list rotated by 1, 2, 3 ... in an optimizer of its own
-  (``cold_repeats`` of them, so no sample finds another's step plan).
+  (``cold_repeats`` of them, at least 5, so no sample finds another's step
+  plan), one after each of the first warm rounds; cold / warm is the ratio of
+  the medians with an unpaired bootstrap interval.
   torch: the torch arm's first call, one
   sample, reported apart: DTensor's sharding propagation of a foreach op over
   N DTensors grows about quadratically on its first call (pytorch#169445),
@@ -64,7 +66,7 @@ class HostConfig:
     points: tuple[int, ...] = (500, 1000, 2000, 4000, 8000, 20000)
     param_numel: int = 9  # elements per parameter: 5 and 4 per rank, tiny
     rounds: int = 24  # warm rounds per point (each runs every arm once)
-    cold_repeats: int = 3  # ours: first calls on fresh layouts per point
+    cold_repeats: int = 7  # ours: first calls on fresh layouts per point, among the warm rounds
     torch_max: int = 4000  # torch runs at every point up to this many parameters, and
     torch_budget_s: float = 240.0  # beyond it while its projected cold calls fit this budget
     clock: str = "wall"  # or "cpu": each rank's process CPU time (steadier on a loaded machine)
@@ -86,8 +88,11 @@ class HostConfig:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.cold_repeats < 3:
-            raise ValueError(f"--cold-repeats must be >= 3, got {self.cold_repeats}")
+        if self.cold_repeats < 5:
+            raise ValueError(f"--cold-repeats must be >= 5 (an interval needs them), got "
+                             f"{self.cold_repeats}")  # fmt: skip
+        if min(self.points) <= self.cold_repeats:
+            raise ValueError("every --points value must exceed --cold-repeats (one rotation each)")
         if not self.torch_budget_s >= 0 or not self.max_norm > 0:
             raise ValueError("--torch-budget must be >= 0 and --max-norm > 0")
         if self.clock not in ("wall", "cpu"):
@@ -150,30 +155,44 @@ def _point(cfg: HostConfig, count: int, mesh: Any, *, with_torch: bool) -> dict[
         case.restore()
     # Ours cold: layouts never stepped before -- the parameter list rotated, in an optimizer of
     # its own -- stepped by a scaler that has stepped before, as when parameters are frozen or
-    # added mid-training: the layout's cost, not the scaler's first step.
+    # added mid-training: the layout's cost, not the scaler's first step. One cold sample after
+    # each of the first warm rounds, so cold and warm share the machine's state of the moment.
     ours, cold_ours = cases["ours"], []
-    for k in range(cfg.cold_repeats):
-        rotated = ours.params[k + 1 :] + ours.params[: k + 1]
-        cold_ours.append(ours.timed(cfg.max_norm, clock, torch.optim.SGD(rotated, lr=0.0)))
-        ours.restore()
-    out["ours_cold_s"] = cold_ours
     warm: dict[str, list[float]] = {arm: [] for arm in arms}
-    for order in balanced_order(len(arms), rounds_for(cfg.rounds, len(arms))):
+    orders = balanced_order(len(arms), rounds_for(cfg.rounds, len(arms)))
+    spread = max(1, len(orders) // cfg.cold_repeats)
+    for round_index, order in enumerate(orders):
         for index in order:
             arm = arms[index]
             warm[arm].append(cases[arm].timed(cfg.max_norm, clock))
             cases[arm].restore()
+        if round_index % spread == 0 and len(cold_ours) < cfg.cold_repeats:
+            cold_ours.append(_cold_sample(ours, len(cold_ours) + 1, cfg.max_norm, clock))
+    while len(cold_ours) < cfg.cold_repeats:
+        cold_ours.append(_cold_sample(ours, len(cold_ours) + 1, cfg.max_norm, clock))
+    out["ours_cold_s"] = cold_ours
     out["warm_s"] = warm
     out["warm"] = {arm: summary(samples) for arm, samples in warm.items()}
     out["us_per_param"] = {arm: median(s) / count * 1e6 for arm, s in warm.items()}
     out["ours_cold"] = summary(cold_ours)
     out["ours_cold_over_warm_derived"] = median(cold_ours) / median(warm["ours"])
+    out["cold_over_warm"] = ratio_interval(
+        cold_ours, warm["ours"], paired=False, seed=cfg.seed, resamples=cfg.resamples
+    ).as_dict()
     if with_torch:
         for name, arm in (("ratio", "ours"), ("aa", "torch_aa")):
             out[name] = ratio_interval(
                 warm[arm], warm["torch"], seed=cfg.seed, resamples=cfg.resamples
             ).as_dict()
     return out
+
+
+def _cold_sample(case: _Case, shift: int, max_norm: float, clock: str) -> float:
+    """Ours on a layout never stepped: the parameters rotated by ``shift``, a new optimizer."""
+    rotated = case.params[shift:] + case.params[:shift]
+    took = case.timed(max_norm, clock, torch.optim.SGD(rotated, lr=0.0))
+    case.restore()
+    return took
 
 
 def _growth(points: list[dict[str, Any]], cfg: HostConfig) -> list[dict[str, Any]]:
@@ -282,11 +301,12 @@ def format_host(result: dict[str, Any]) -> str:
         f"{cfg.get('clock', 'wall')} clock, torch "
         f"{env['torch']}, {env['cpu_count']} CPUs (load {env['load_average_start']} at the "
         f"start); warm: medians of {cfg['rounds']}+ interleaved rounds, ratios with 95 % paired "
-        f"bootstrap intervals; ours cold: min/median/max of {cfg['cold_repeats']} fresh layouts; "
-        "torch cold: its first call, one sample.",
+        f"bootstrap intervals; ours cold: min/median/max of {cfg['cold_repeats']} fresh layouts "
+        "taken among the warm rounds, cold / warm: ratio of medians with a 95 % unpaired "
+        "bootstrap interval; torch cold: its first call, one sample.",
         "",
         "| params | torch cold s | ours cold ms | torch warm ms | ours warm ms | torch µs/param "
-        "| ours µs/param | ours / torch [95 % CI] | A/A [95 % CI] | ours cold / warm |",
+        "| ours µs/param | ours / torch [95 % CI] | A/A [95 % CI] | ours cold / warm [95 % CI] |",
         "| ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | ---: |",
     ]
     for p in result["points"]:
@@ -298,10 +318,15 @@ def format_host(result: dict[str, Any]) -> str:
         tc = f"{p['torch_cold_s']:.2f}" if has_torch else "skipped"
         ratio = _interval(p["ratio"]) if has_torch else "-"
         aa = _interval(p["aa"]) if has_torch else "-"
+        cold_warm = (
+            _interval(p["cold_over_warm"])
+            if "cold_over_warm" in p  # runs before the interval: the ratio alone
+            else f"{p['ours_cold_over_warm_derived']:.2f}"
+        )
         lines.append(
             f"| {p['n_params']} | {tc} | {cold} | {tw} | {p['warm']['ours']['median'] * 1e3:.1f} "
             f"| {tu} | {p['us_per_param']['ours']:.1f} | {ratio} | {aa} "
-            f"| {p['ours_cold_over_warm_derived']:.2f} |"
+            f"| {cold_warm} |"
         )
     for g in result.get("growth", []):
         lines.append(
@@ -334,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     fields: dict[str, Any] = {}
     if args.quick:
-        fields.update(points=(50, 100), rounds=6, resamples=200)
+        fields.update(points=(50, 100), rounds=6, resamples=200, cold_repeats=5)
     if args.points:
         fields["points"] = tuple(int(x) for x in args.points.split(","))
     for name, value in (("rounds", args.rounds), ("cold_repeats", args.cold_repeats),
