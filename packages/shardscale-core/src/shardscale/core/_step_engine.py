@@ -125,6 +125,7 @@ normalise per block inside their one read) are called once instead.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import math
 import operator
@@ -602,7 +603,8 @@ def _coalesced(items: list[torch.Tensor], *, as_grads: bool) -> list[torch.Tenso
     # A norm over uncoalesced sparse values counts duplicate indices separately.
     try:
         grads = items if as_grads else list(map(_GRAD, items))
-        if not any(g.is_sparse for g in grads if g is not None):
+        present = filter(functools.partial(operator.is_not, None), grads)  # C-level, no genexpr
+        if not any(map(operator.attrgetter("is_sparse"), present)):
             return items  # the common case: nothing sparse, nothing to copy
     except AttributeError:
         pass  # not tensors: collect_grads names the problem
