@@ -15,8 +15,9 @@ equal keys promising equal answers. Then:
 * parameters are routed to adapters once per parameter class where every
   adapter can answer by class (``claims_type``), else per parameter, as the
   walk does;
-* each adapter's parameters are grouped by (its key, the gradient's class);
-  ``describe`` is called on one member per group and its ``counts`` and
+* each adapter's parameters are grouped by its key (a group whose gradients
+  are of several classes takes the walk); ``describe`` is called on one
+  member per group and its ``counts`` and
   ``ranks`` (checked against the reduction group once) are reused for every
   member; the locals are taken in bulk, after checking that the member asked
   gave exactly the tensor the promise says;
@@ -125,16 +126,17 @@ def _collect(
                 check_ranks(shard.ranks, group_ranks, param)
                 locals_[position], counts[position] = shard.local, bool(shard.counts)
             continue
-        grouped = positions_by(list(zip(keys, map(type, sub_grads), strict=True)))
-        for group in grouped.values():
+        for group in positions_by(keys).values():
             first = group[0]
             grad = sub_grads[first]
+            group_grads = _pick(sub_grads, group)
+            if len(set(map(type, group_grads))) != 1:
+                return None  # one layout, gradients of several classes: ask each parameter
             shard = adapter.describe(sub_params[first], grad, ctx)
             check_ranks(shard.ranks, group_ranks, sub_params[first])
             is_dtensor = dtensor is not None and isinstance(grad, dtensor)
             if shard.local is not (grad._local_tensor if is_dtensor else grad):
                 return None  # not what stable_layout promises: ask each parameter
-            group_grads = _pick(sub_grads, group)
             group_locals = list(map(_LOCAL, group_grads)) if is_dtensor else group_grads
             answer = bool(shard.counts)
             if len(group) == count:  # one adapter, one layout: the whole list at once
