@@ -51,6 +51,8 @@ def test_the_table_has_a_row_per_point_and_says_where_torch_did_not_run() -> Non
         ],
         "growth": [{"n_params": 20000, "base": 500, "params_ratio": 40.0,
                     "time_ratio": _interval(45.0)}],
+        "growth_interleaved": {"n_params": 20000, "base": 4000, "params_ratio": 5.0,
+                               "time_ratio": _interval(5.2)},
     }  # fmt: skip
     text = format_host(result)
     rows = [line for line in text.splitlines() if line.startswith("| 500 ") or
@@ -60,3 +62,4 @@ def test_the_table_has_a_row_per_point_and_says_where_torch_did_not_run() -> Non
     # Cold / warm: the interval where the run has one, the bare ratio from an older run.
     assert rows[0].endswith("| 1.60 [1.59, 1.61] |") and rows[1].endswith("| 1.80 |")
     assert "20000: projected too long" in text and "45.00 [44.99, 45.01]" in text
+    assert "same rounds: 5.20 [5.19, 5.21] (paired interval)" in text

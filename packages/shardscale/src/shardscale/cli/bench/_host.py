@@ -29,6 +29,10 @@ a 1-D mesh of every rank (2 gloo ranks by default, 1 thread each):
   alone. Ours cold is stepped by a scaler that has stepped before (a layout
   that changes mid-training), so the scaler's own first-step checks are not
   charged to the layout;
+* **growth**: ours warm at the largest point against ``growth_base`` (4 000)
+  parameters, both layouts alive at once and alternating round by round
+  after the points (a paired interval): the points run minutes apart, so
+  their own ratio also carries the machine's drift;
 * ``clock``: ``wall`` (the default) or ``cpu``, each rank's process CPU time,
   which a machine shared with other work disturbs less (the ratios are what
   to compare across machines).
@@ -70,6 +74,7 @@ class HostConfig:
     torch_max: int = 4000  # torch runs at every point up to this many parameters, and
     torch_budget_s: float = 240.0  # beyond it while its projected cold calls fit this budget
     clock: str = "wall"  # or "cpu": each rank's process CPU time (steadier on a loaded machine)
+    growth_base: int = 4000  # ours warm at the largest point against this one, interleaved
     world_size: int = 2
     max_norm: float = 1.0
     backend: str = "counting+c10d"
@@ -157,7 +162,8 @@ def _point(cfg: HostConfig, count: int, mesh: Any, *, with_torch: bool) -> dict[
     # its own -- stepped by a scaler that has stepped before, as when parameters are frozen or
     # added mid-training: the layout's cost, not the scaler's first step. One cold sample after
     # each of the first warm rounds, so cold and warm share the machine's state of the moment.
-    ours, cold_ours = cases["ours"], []
+    ours = cases["ours"]
+    cold_ours: list[float] = []
     warm: dict[str, list[float]] = {arm: [] for arm in arms}
     orders = balanced_order(len(arms), rounds_for(cfg.rounds, len(arms)))
     spread = max(1, len(orders) // cfg.cold_repeats)
@@ -215,6 +221,30 @@ def _growth(points: list[dict[str, Any]], cfg: HostConfig) -> list[dict[str, Any
     return out
 
 
+def _interleaved_growth(cfg: HostConfig, mesh: Any) -> dict[str, Any] | None:
+    """Ours warm at the largest point against ``growth_base`` parameters, in the same rounds.
+
+    Points run minutes apart on a shared machine, so their ratio carries the load's drift;
+    here both layouts live side by side and alternate round by round (a paired interval).
+    """
+    top = max(cfg.points)
+    if cfg.growth_base not in cfg.points or cfg.growth_base >= top:
+        return None
+    numel = cfg.param_numel + 1
+    cases = [_Case("ours", n, numel, mesh, cfg.backend) for n in (cfg.growth_base, top)]
+    for case in cases:
+        case.timed(cfg.max_norm, cfg.clock)  # each layout's cold call, untimed
+        case.restore()
+    samples: list[list[float]] = [[], []]
+    for order in balanced_order(2, rounds_for(cfg.rounds, 2)):
+        for index in order:
+            samples[index].append(cases[index].timed(cfg.max_norm, cfg.clock))
+            cases[index].restore()
+    got = ratio_interval(samples[1], samples[0], seed=cfg.seed, resamples=cfg.resamples)
+    return {"n_params": top, "base": cfg.growth_base, "params_ratio": top / cfg.growth_base,
+            "time_ratio": got.as_dict(), "samples_s": samples}  # fmt: skip
+
+
 def _worker(rank: int, cfg: HostConfig, store: str, result_path: str) -> None:
     import logging
 
@@ -255,6 +285,11 @@ def _worker(rank: int, cfg: HostConfig, store: str, result_path: str) -> None:
                       file=sys.stderr, flush=True)  # fmt: skip
                 with open(result_path, "w") as fh:  # after every point: a cut run keeps its data
                     json.dump({"points": points, "growth": _growth(points, cfg)}, fh)
+        growth = _interleaved_growth(cfg, mesh)
+        if rank == 0 and growth is not None:
+            with open(result_path, "w") as fh:
+                json.dump({"points": points, "growth": _growth(points, cfg),
+                           "growth_interleaved": growth}, fh)  # fmt: skip
     finally:
         dist.destroy_process_group()
     exit_worker()
@@ -333,6 +368,13 @@ def format_host(result: dict[str, Any]) -> str:
             f"\nOurs warm, {g['n_params']} / {g['base']} parameters ({g['params_ratio']:.1f}x): "
             f"{_interval(g['time_ratio'])} (unpaired interval)"
         )
+    inter = result.get("growth_interleaved")
+    if inter is not None:
+        lines.append(
+            f"\nOurs warm, {inter['n_params']} / {inter['base']} parameters "
+            f"({inter['params_ratio']:.1f}x), both layouts alternating in the same rounds: "
+            f"{_interval(inter['time_ratio'])} (paired interval)"
+        )
     skipped = [f"{p['n_params']}: {p['torch_skipped']}" for p in result["points"]
                if "torch_skipped" in p]  # fmt: skip
     if skipped:
@@ -359,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     fields: dict[str, Any] = {}
     if args.quick:
-        fields.update(points=(50, 100), rounds=6, resamples=200, cold_repeats=5)
+        fields.update(points=(50, 100), rounds=6, resamples=200, cold_repeats=5, growth_base=50)
     if args.points:
         fields["points"] = tuple(int(x) for x in args.points.split(","))
     for name, value in (("rounds", args.rounds), ("cold_repeats", args.cold_repeats),
