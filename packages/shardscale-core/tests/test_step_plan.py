@@ -236,3 +236,65 @@ def test_registering_an_adapter_between_steps_rebuilds() -> None:
         assert all(plan.uses == 0 for plan in plans_of(live[0]))  # rebuilt, not reused
     finally:
         registry.unregister(name)
+
+
+def test_an_adapter_with_layout_keys_is_asked_once_per_layout() -> None:
+    from shardscale.core import GradShard, hookimpl
+
+    class _PerParam:
+        name = "per-param"
+        priority = 100
+        stable_layout = True
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def claims(self, param: torch.Tensor) -> bool:
+            return getattr(param, "_layout", None) is not None
+
+        def describe(self, param: torch.Tensor, grad: torch.Tensor, ctx: object) -> GradShard:
+            self.calls += 1
+            return GradShard(local=grad, counts=param._layout == "a", ranks=None)  # type: ignore[attr-defined]
+
+    class _PerLayout(_PerParam):
+        name = "per-layout"
+
+        def layout_keys(
+            self, params: list[torch.Tensor], grads: list[torch.Tensor], ctx: object
+        ) -> list[str]:
+            return [p._layout for p in params]  # type: ignore[attr-defined]
+
+    def run(adapter: _PerParam) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        class _Plugin:
+            @hookimpl
+            def shardscale_grad_adapters(self) -> list[object]:
+                return [adapter]
+
+        live = _params(12)
+        for i, p in enumerate(live):
+            p._layout = "ab"[i % 2]  # type: ignore[attr-defined]
+        registry = get_registry()
+        name = registry.register(_Plugin(), name=adapter.name)
+        try:
+            norm = _step(live, _config())[0]
+            cold_calls = adapter.calls
+            _regrad(live)
+            _step(live, _config())
+            assert adapter.calls == cold_calls  # warm: no adapter call at all
+        finally:
+            registry.unregister(name)
+        return norm, [p for p in live if p._layout == "a"]  # type: ignore[attr-defined]
+
+    per_layout, per_param = _PerLayout(), _PerParam()
+    got, _ = run(per_layout)
+    want, counted = run(per_param)
+    assert per_layout.calls == 2 and per_param.calls == 12
+    assert torch.equal(got, want)
+    # torch's float64 norm of the counted gradients as first given (same seed), unscaled.
+    grads = [g.grad for g in _params(12)][0::2]
+    ref = torch.linalg.vector_norm(torch.cat([g.double() for g in grads])) / SCALE  # type: ignore[union-attr]
+    numel = sum(g.numel() for g in grads)  # type: ignore[union-attr]
+    # float32 accumulation of ~60 squares and of 6 per-tensor norms: (n + 8)·u·2 + u.
+    u = torch.finfo(torch.float32).eps / 2
+    assert abs(float(got) - float(ref)) <= ((numel + 8) * u * 2 + u) * float(ref)
+    assert len(counted) == 6

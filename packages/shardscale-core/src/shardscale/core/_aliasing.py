@@ -25,6 +25,8 @@ from shardscale.core._gradients import GradBuckets
 
 __all__ = ["AliasedGradientError", "check_no_aliased_grads"]
 
+_DATA_PTR = torch.Tensor.data_ptr
+
 
 class AliasedGradientError(ShardscaleError, ValueError):
     """Two parameters of one step share a gradient tensor (see [Note: aliased gradients])."""
@@ -34,10 +36,15 @@ def check_no_aliased_grads(buckets: GradBuckets) -> None:
     """Raise :class:`AliasedGradientError` if two local gradients start at the same element."""
     by_device: dict[torch.device, list[int]] = {}
     for (device, _), tensors in buckets.every.items():
+        by_device.setdefault(device, []).extend(map(_DATA_PTR, tensors))
+    if all(len(set(ptrs)) == len(ptrs) for ptrs in by_device.values()):
+        return  # the common case: one set per device, C-level maps, no per-parameter Python
+    by_device = {}
+    for (device, _), tensors in buckets.every.items():
         # Empty shards may share an address and hold nothing.
         by_device.setdefault(device, []).extend(t.data_ptr() for t in tensors if t.numel())
     if all(len(set(ptrs)) == len(ptrs) for ptrs in by_device.values()):
-        return  # the common case: one set per device, no per-parameter bookkeeping
+        return
     seen: dict[tuple[torch.device, int], torch.Tensor] = {}
     for param, local in buckets.owner_pairs():
         if not local.numel():

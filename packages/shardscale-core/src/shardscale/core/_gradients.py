@@ -8,7 +8,8 @@ stats kernels run once per group.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+import weakref
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,7 @@ from shardscale.core._protocols import AdapterContext
 if TYPE_CHECKING:
     from shardscale.core._registry import Registry
 
-__all__ = ["GradBuckets", "Traced", "collect_grads", "optimizer_params"]
+__all__ = ["GradBuckets", "OwnerRefs", "Trace", "check_ranks", "collect_grads", "optimizer_params"]
 
 _Key = tuple[torch.device, torch.dtype]
 
@@ -61,10 +62,58 @@ class GradBuckets:
         return list(seen)
 
 
-#: How one local tensor was found, for the step plan (``_step_plan``) to learn from: its
-#: parameter's position in the list walked, the local tensor, and whether the adapter promised
-#: a stable answer (``stable_layout = True``).
-Traced = tuple[int, torch.Tensor, bool]
+_Refs = tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]
+
+
+class OwnerRefs(Collection[_Refs]):
+    """(parameter, local tensor) weak references in bucket order, kept as two columns.
+
+    A step keeps them for overflow localisation. Two lists of plain weak
+    references (CPython shares one per tensor) instead of one tuple per
+    tensor: with 10^4 parameters, 10^4 tuples per step kept past the step
+    were enough to set off full garbage collections of the whole heap.
+    """
+
+    __slots__ = ("params", "tensors")
+
+    def __init__(
+        self, params: list[weakref.ref[torch.Tensor]], tensors: list[weakref.ref[torch.Tensor]]
+    ) -> None:
+        if len(params) != len(tensors):
+            raise ValueError(f"{len(params)} parameter references for {len(tensors)} tensors")
+        self.params = params
+        self.tensors = tensors
+
+    @classmethod
+    def of(cls, params: Iterable[torch.Tensor], tensors: Iterable[torch.Tensor]) -> OwnerRefs:
+        """References to ``params`` and ``tensors`` (parallel iterables)."""
+        return cls(list(map(weakref.ref, params)), list(map(weakref.ref, tensors)))
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def __iter__(self) -> Iterator[_Refs]:
+        return zip(self.params, self.tensors, strict=True)
+
+    def __contains__(self, item: object) -> bool:
+        return any(pair == item for pair in self)
+
+
+@dataclass(slots=True)
+class Trace:
+    """How a walk found its local tensors, for the step plan (``_step_plan``) to learn from.
+
+    Columns, one entry per local tensor in walk order: ``positions`` (its
+    parameter's position in the list walked) and ``locals``; ``stable``:
+    every adapter asked promised a stable answer (``stable_layout = True``);
+    ``members``: per bucket, the indices into ``locals`` of its tensors, in
+    bucket order (None: the plan computes them).
+    """
+
+    positions: list[int] = field(default_factory=list)
+    locals: list[torch.Tensor] = field(default_factory=list)
+    stable: bool = True
+    members: dict[_Key, list[int]] | None = None
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
@@ -105,7 +154,7 @@ def collect_grads(
     group_ranks: tuple[int, ...] | None,
     coalesce_sparse: bool = True,
     as_grads: bool = False,
-    trace: list[Traced] | None = None,
+    trace: Trace | None = None,
 ) -> GradBuckets:
     """Describe each parameter's gradient through its adapter and bucket the local data.
 
@@ -116,8 +165,46 @@ def collect_grads(
     With ``as_grads=True`` each item is itself a gradient (``get_total_norm``
     takes gradients, not parameters) and is described by the adapter that
     claims its type; sparse ones are then coalesced without being stored back.
-    ``trace``, when given, receives a ``Traced`` tuple per local tensor, in order.
+    ``trace``, when given, receives where each local tensor came from.
+
+    Parameters whose adapters can say which of them share a layout
+    (``layout_keys``, see [Note: one answer per layout]) are described once
+    per layout, in bulk; anything unusual (sparse gradients, a problem to
+    report) takes the walk that asks each parameter's adapter, which names
+    the problem exactly as it always did.
     """
+    from shardscale.core._layout_groups import collect_by_layout  # it builds on this module
+
+    params = params if isinstance(params, list) else list(params)
+    bulk = collect_by_layout(
+        params, ctx, registry, group_ranks=group_ranks, as_grads=as_grads, trace=trace
+    )
+    if bulk is not None:
+        return bulk
+    if trace is not None:  # the walk starts the trace afresh
+        trace.positions, trace.locals, trace.stable, trace.members = [], [], True, None
+    return _collect_each(
+        params,
+        ctx,
+        registry,
+        group_ranks=group_ranks,
+        coalesce_sparse=coalesce_sparse,
+        as_grads=as_grads,
+        trace=trace,
+    )
+
+
+def _collect_each(
+    params: Iterable[torch.Tensor],
+    ctx: AdapterContext,
+    registry: Registry,
+    *,
+    group_ranks: tuple[int, ...] | None,
+    coalesce_sparse: bool,
+    as_grads: bool,
+    trace: Trace | None,
+) -> GradBuckets:
+    """The walk: each parameter's adapter asked in turn (the reference the bulk path must match)."""
     buckets = GradBuckets()
     stable_of: dict[int, bool] = {}  # id(adapter) -> stable_layout, asked once per step
     by_key: dict[_Key, tuple[list[torch.Tensor], list[torch.Tensor], list[bool]]] = {}
@@ -148,19 +235,7 @@ def collect_grads(
             stable = known
             shard = adapter.describe(param, grad, ctx)
             local, counts = shard.local, shard.counts
-            if (
-                shard.ranks is not None
-                and group_ranks is not None
-                and not _within(shard.ranks, group_ranks)
-            ):
-                allowed = frozenset(group_ranks)
-                missing = sorted(shard.ranks - allowed)
-                raise LayoutError(
-                    f"a gradient of shape {tuple(param.shape)} lives on ranks "
-                    f"{sorted(shard.ranks)}, but the reduction group holds only ranks "
-                    f"{sorted(allowed)} (missing {missing}). Pass process_group=... covering "
-                    "every rank that holds these parameters (the default group usually does)."
-                )
+            check_ranks(shard.ranks, group_ranks, param)
         if not local.dtype.is_floating_point:  # complex and integer dtypes alike
             raise GradientDtypeError(
                 f"gradients must be real floating point, got {local.dtype} for a parameter of "
@@ -182,5 +257,22 @@ def collect_grads(
             buckets.counted.setdefault(key, []).append(local)
         buckets.count += 1
         if trace is not None:
-            trace.append((position, local, stable))
+            trace.positions.append(position)
+            trace.locals.append(local)
+            trace.stable = trace.stable and stable
     return buckets
+
+
+def check_ranks(
+    ranks: frozenset[int] | None, group_ranks: tuple[int, ...] | None, param: torch.Tensor
+) -> None:
+    """Refuse a gradient that lives on ranks outside the reduction group."""
+    if ranks is None or group_ranks is None or _within(ranks, group_ranks):
+        return
+    allowed = frozenset(group_ranks)
+    raise LayoutError(
+        f"a gradient of shape {tuple(param.shape)} lives on ranks {sorted(ranks)}, but the "
+        f"reduction group holds only ranks {sorted(allowed)} (missing "
+        f"{sorted(ranks - allowed)}). Pass process_group=... covering every rank that holds "
+        "these parameters (the default group usually does)."
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from typing import ClassVar
 
 import torch
@@ -53,6 +54,15 @@ class PlainTensorAdapter:
         if kind in (torch.Tensor, torch.nn.Parameter) or issubclass(kind, torch.nn.Parameter):
             return None  # FSDP1's marks, or a Parameter subclass's .data, decide
         return False
+
+    def layout_keys(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ctx: AdapterContext
+    ) -> list[Hashable]:
+        """Per parameter, what :meth:`describe`'s answer rests on: whether it is declared distinct."""
+        del grads
+        if ctx.rank == 0 or "*" in ctx.distinct_dims or not ctx.distinct_params:
+            return [True] * len(params)  # every parameter counts alike
+        return list(map(ctx.distinct_params.__contains__, map(id, params)))
 
     def describe(self, param: torch.Tensor, grad: torch.Tensor, ctx: AdapterContext) -> GradShard:
         """The grad itself; counted on group rank 0 unless declared distinct on every rank."""

@@ -649,6 +649,19 @@ class Registry:
             "'pip install shardscale-fsdp'." + self._failures_hint()
         )
 
+    def adapter_for_type(self, kind: type) -> GradAdapter | None:
+        """The adapter of every parameter of class ``kind``; None when it depends on the parameter.
+
+        None also when no adapter or several equal ones would claim: :meth:`adapter_for`, asked
+        per parameter, then names the problem.
+        """
+        ranked, rivals = self._ranked_adapters()
+        catalog = self._collect()
+        if kind not in catalog.adapter_by_type:
+            catalog.adapter_by_type[kind] = self._adapter_by_type(ranked, rivals, kind)
+        found: GradAdapter | None = catalog.adapter_by_type[kind]
+        return found
+
     def _adapter_by_type(
         self, ranked: list[_Item], rivals: dict[int, list[_Item]], kind: type
     ) -> GradAdapter | None:

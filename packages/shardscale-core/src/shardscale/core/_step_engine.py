@@ -128,11 +128,13 @@ normalise per block inside their one read) are called once instead.
 from __future__ import annotations
 
 import enum
+import functools
+import itertools
 import math
 import operator
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -141,7 +143,7 @@ import torch
 from shardscale.core._aliasing import check_no_aliased_grads
 from shardscale.core._contract import ALL_RANKS, check_max_norm, check_norm_type
 from shardscale.core._errors import DeclarationError
-from shardscale.core._gradients import GradBuckets, Traced, collect_grads
+from shardscale.core._gradients import GradBuckets, OwnerRefs, Trace, collect_grads
 from shardscale.core._plain_adapter import PlainTensorAdapter
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, Handle, ReduceOp
 from shardscale.core._step_arith import (
@@ -317,7 +319,7 @@ class StepResult:
     vector: torch.Tensor
     world_size: int
     #: (parameter, local tensor) of every local gradient read, for overflow localisation.
-    owners: list[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = field(
+    owners: Collection[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = field(
         default_factory=list
     )
     #: Per local tensor (same order as ``owners``): True where it was finite; None if unknown.
@@ -548,7 +550,7 @@ class _Local:
     plan: StepPlan | None = None
     warm: bool = False
     #: A cold step's key, catalog and trace, to build a plan from once the checks pass.
-    seed: tuple[Any, object, list[Traced]] | None = None
+    seed: tuple[Any, object, Trace] | None = None
 
     def record(self, exc: BaseException) -> None:
         """Keep the first error; the step goes on with nothing to read."""
@@ -586,7 +588,7 @@ def _collect(items: list[torch.Tensor], config: StepConfig, request: StepRequest
             if warm is not None:
                 local.buckets, local.plan, local.warm = warm, plan, True
                 return local
-        trace: list[Traced] = []
+        trace = Trace()
         local.buckets = collect_grads(
             # A norm must see coalesced sparse values; the scaler, like torch's, coalesces fp16 only.
             _coalesced(items, as_grads=request.as_grads)
@@ -604,12 +606,12 @@ def _collect(items: list[torch.Tensor], config: StepConfig, request: StepRequest
     return local
 
 
-def _owners(local: _Local) -> list[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]]:
+def _owners(local: _Local) -> OwnerRefs:
     """(parameter, local tensor) weak references in bucket order, for overflow localisation."""
+    tensors = itertools.chain.from_iterable(local.buckets.every.values())
     if local.plan is not None and local.error is None:  # warm, or built from these buckets
-        tensors = [t for bucket in local.buckets.every.values() for t in bucket]
-        return list(zip(local.plan.owner_refs, map(weakref.ref, tensors), strict=True))
-    return [(weakref.ref(param), weakref.ref(t)) for param, t in local.buckets.owner_pairs()]
+        return OwnerRefs(local.plan.owner_refs, list(map(weakref.ref, tensors)))
+    return OwnerRefs.of(local.buckets.params(), tensors)
 
 
 def _group_ranks(config: StepConfig) -> tuple[int, ...] | None:
@@ -624,7 +626,8 @@ def _coalesced(items: list[torch.Tensor], *, as_grads: bool) -> list[torch.Tenso
     # A norm over uncoalesced sparse values counts duplicate indices separately.
     try:
         grads = items if as_grads else list(map(_GRAD, items))
-        if not any(g.is_sparse for g in grads if g is not None):
+        present = filter(functools.partial(operator.is_not, None), grads)  # C-level, no genexpr
+        if not any(map(operator.attrgetter("is_sparse"), present)):
             return items  # the common case: nothing sparse, nothing to copy
     except AttributeError:
         pass  # not tensors: collect_grads names the problem

@@ -9,9 +9,9 @@ gradients. None of it changes from one step to the next unless the layout
 does, so the first step on a layout keeps its answers in a :class:`StepPlan`
 and later steps check, in bulk, that they still hold:
 
-* the same parameters, in the same order: their ``id()`` s, and no parameter
-  died since (a weakref callback marks the plan dead, so a new tensor that
-  reuses a freed one's address cannot pass for it);
+* the same parameters, in the same order: a weak reference per parameter
+  must give back exactly that tensor (a freed one's reference is dead, so a
+  new tensor at its address cannot pass for it);
 * each gradient's presence and class: ``type(grad)`` per parameter (``None``
   when absent), no plain gradient turned sparse, each DTensor gradient's
   ``_spec`` equal to the one the plan was built for (its mesh, placements
@@ -52,7 +52,7 @@ from typing import Any, cast
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardscale.core._gradients import GradBuckets, Traced
+from shardscale.core._gradients import GradBuckets, Trace
 
 __all__ = [
     "StepPlan",
@@ -69,6 +69,8 @@ _GRAD = operator.attrgetter("grad")
 _SPEC = operator.attrgetter("_spec")
 _LOCAL = operator.attrgetter("_local_tensor")
 _SPARSE = operator.attrgetter("is_sparse")
+#: Calls a weak reference: its tensor, or None once freed (``operator.call`` from 3.11).
+_CALL = weakref.ref.__call__
 _Key = tuple[torch.device, torch.dtype]
 
 #: Plans per step key for one first tensor: a few callers (a scaler, a clip call) at most.
@@ -93,7 +95,8 @@ class StepPlan:
 
     key: Hashable
     catalog: object
-    ids: list[int]
+    #: A weak reference per tensor of the step, in order: the same tensors, none freed.
+    refs: list[weakref.ref[torch.Tensor]]
     grad_types: list[type]
     #: Positions of the tensors that have a gradient (None: all of them).
     present: list[int] | None
@@ -108,13 +111,13 @@ class StepPlan:
     replica_positions: list[int] = field(default_factory=list)
     replica_meta: list[tuple[torch.Size, torch.dtype]] = field(default_factory=list)
     replica_listing: str | None = None
-    alive: bool = True
     #: How many warm steps reused it.
     uses: int = 0
-    _refs: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
 
-    def _died(self, _ref: object) -> None:
-        self.alive = False
+    @property
+    def alive(self) -> bool:
+        """Whether every tensor the plan was built for still lives."""
+        return not any(map(operator.is_, map(_CALL, self.refs), itertools.repeat(None)))
 
     def remember_replicas(
         self, items: Sequence[torch.Tensor], positions: list[int], listing: str
@@ -167,7 +170,7 @@ def find_plan(items: Sequence[torch.Tensor], key: Hashable, catalog: object) -> 
     if table is None:
         return None
     plan = table.get(key)
-    if plan is None or not plan.alive or plan.catalog is not catalog:
+    if plan is None or plan.catalog is not catalog:
         return None
     return plan
 
@@ -187,62 +190,82 @@ def remember_plan(items: Sequence[torch.Tensor], plan: StepPlan) -> None:
 def build_plan(
     items: Sequence[torch.Tensor],
     buckets: GradBuckets,
-    traced: Sequence[Traced],
+    trace: Trace,
     *,
     key: Hashable,
     catalog: object,
     as_grads: bool,
 ) -> StepPlan | None:
     """A plan from a cold step's buckets and trace; None when this layout cannot be planned."""
-    if not items or len(traced) != buckets.count:
+    if not items or len(trace.locals) != buckets.count:
         return None
-    if not all(stable for _, _, stable in traced):
+    if not trace.stable:
         return None  # an adapter that did not promise a stable answer: always cold
-    present_positions = [position for position, _, _ in traced]
-    if any(a >= b for a, b in itertools.pairwise(present_positions)):
+    present_positions = trace.positions
+    if any(map(operator.ge, present_positions, itertools.islice(present_positions, 1, None))):
         return None  # the same tensor twice, or an order the trace does not keep
-    locals_ = [local for _, local, _ in traced]
+    locals_ = trace.locals
     grads: list[Any] = list(items) if as_grads else list(map(_GRAD, items))
-    present = [grads[i] for i in present_positions]
+    present = grads if len(present_positions) == len(grads) else _pick(grads, present_positions)
     dtensor_type = _dtensor_type()
     kinds = {
         kind: dtensor_type is not None and issubclass(kind, dtensor_type)
         for kind in set(map(type, present))
     }
-    dtensor = [kinds[type(g)] for g in present]
-    shards = [g for g, is_dt in zip(present, dtensor, strict=True) if is_dt]
-    plain = [g for g, is_dt in zip(present, dtensor, strict=True) if not is_dt]
+    if len(kinds) == 1:  # one class of gradient (FSDP2: all DTensors): no per-tensor choice
+        dtensor = [next(iter(kinds.values()))] * len(present)
+    else:
+        dtensor = list(map(kinds.__getitem__, map(type, present)))
+    shards = list(itertools.compress(present, dtensor))
+    plain = list(itertools.compress(present, map(operator.not_, dtensor)))
     # The plan takes locals directly: they must be what the adapters gave.
-    expected = [g._local_tensor if is_dt else g for g, is_dt in zip(present, dtensor, strict=True)]
+    if shards and not plain:
+        expected: list[Any] = list(map(_LOCAL, shards))
+    elif plain and not shards:
+        expected = plain
+    else:
+        expected = [
+            g._local_tensor if is_dt else g for g, is_dt in zip(present, dtensor, strict=True)
+        ]
     if not all(map(operator.is_, locals_, expected)) or any(map(_SPARSE, plain)):
         return None
     specs = list(map(_SPEC, shards))
-    slot = dict(zip(map(id, locals_), range(len(locals_)), strict=True))
+    members_of = trace.members
+    if members_of is None:  # the walk's trace: find each bucket tensor's place
+        slot = dict(zip(map(id, locals_), range(len(locals_)), strict=True))
+        members_of = {
+            bucket_key: [slot[id(t)] for t in tensors]
+            for bucket_key, tensors in buckets.every.items()
+        }
+    # Plain weak references, no callback: torch and CPython share one per tensor, so a cold
+    # step allocates (and the garbage collector later walks) nothing per parameter for them.
+    refs = list(map(weakref.ref, items))
     plan_buckets: list[_PlanBucket] = []
     owner_refs: list[weakref.ref[torch.Tensor]] = []
-    refs: list[weakref.ref[torch.Tensor]] = []
-    plan = StepPlan(
+    all_items = len(buckets.every) == 1 and len(present_positions) == len(items)
+    for bucket_key in buckets.every:
+        members = members_of[bucket_key]
+        owner_positions = _pick(present_positions, members)
+        owners = None if all_items else owner_positions
+        plan_buckets.append(
+            _PlanBucket(bucket_key, members, owners, list(buckets.counts_mask[bucket_key]))
+        )
+        owner_refs.extend(refs if all_items else _pick(refs, owner_positions))
+    return StepPlan(
         key=key,
         catalog=catalog,
-        ids=list(map(id, items)),
         grad_types=list(map(type, grads)),
         present=None if len(present_positions) == len(items) else present_positions,
         dtensor=dtensor,
         specs=specs,
         buckets=plan_buckets,
         owner_refs=owner_refs,
-        _refs=refs,
+        refs=refs,
     )
-    refs.extend(weakref.ref(item, plan._died) for item in items)
-    all_items = len(buckets.every) == 1 and plan.present is None
-    for bucket_key, tensors in buckets.every.items():
-        members = [slot[id(t)] for t in tensors]
-        owners = None if all_items else [present_positions[m] for m in members]
-        plan_buckets.append(
-            _PlanBucket(bucket_key, members, owners, list(buckets.counts_mask[bucket_key]))
-        )
-        owner_refs.extend(refs[present_positions[m]] for m in members)
-    return plan
+
+
+def _pick(items: Sequence[Any], positions: Sequence[int]) -> list[Any]:
+    return list(map(items.__getitem__, positions))
 
 
 def _replica_meta(
@@ -260,8 +283,8 @@ def warm_buckets(
     plan: StepPlan, items: Sequence[torch.Tensor], *, as_grads: bool
 ) -> GradBuckets | None:
     """This step's buckets through ``plan``, or None when anything the plan rests on changed."""
-    if not plan.alive or list(map(id, items)) != plan.ids:
-        return None
+    if len(items) != len(plan.refs) or not all(map(operator.is_, map(_CALL, plan.refs), items)):
+        return None  # other tensors, or one of the plan's was freed (its reference is dead)
     grads: Sequence[Any] = items if as_grads else list(map(_GRAD, items))
     if list(map(type, grads)) != plan.grad_types:
         return None  # a gradient appeared, went away, or changed class

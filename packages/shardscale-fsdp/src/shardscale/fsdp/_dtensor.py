@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
+from collections.abc import Hashable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -13,6 +16,9 @@ __all__ = ["DTENSOR_PRIORITY", "DTensorAdapter"]
 
 #: Above the plain-tensor adapter (0), below FSDP1 (which knows more about its parameters).
 DTENSOR_PRIORITY = 20
+_SPEC = operator.attrgetter("_spec")
+_MESH = operator.attrgetter("mesh")
+_PLACEMENTS = operator.attrgetter("placements")
 #: Layouts one adapter remembers (a model has a handful; tests build many meshes).
 _LAYOUTS_KEPT = 256
 
@@ -57,6 +63,27 @@ class DTensorAdapter:
     def claims_type(self, kind: type) -> bool:
         """Every parameter of a DTensor class, and none of another (the registry's shortcut)."""
         return self._dtensor is not None and issubclass(kind, self._dtensor)
+
+    def layout_keys(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ctx: AdapterContext
+    ) -> list[Hashable] | None:
+        """Per gradient, what :meth:`describe`'s ``counts`` and ``ranks`` rest on.
+
+        The identities of its spec's mesh and placements, packed in one int
+        (``describe`` reads nothing else of the gradient, and both live as
+        long as the gradients do), with C-level maps only; None when a
+        gradient is no DTensor (``describe`` names that problem).
+        """
+        del params, ctx
+        if self._dtensor is None or not all(
+            issubclass(kind, self._dtensor) for kind in set(map(type, grads))
+        ):
+            return None
+        specs = list(map(_SPEC, grads))
+        # One exact int per gradient, id(mesh) << 64 | id(placements): no tuple per gradient
+        # (10^4 short-lived tuples set off garbage collections of the whole heap).
+        meshes = map(operator.lshift, map(id, map(_MESH, specs)), itertools.repeat(64))
+        return list(map(operator.or_, meshes, map(id, map(_PLACEMENTS, specs))))
 
     def describe(self, param: torch.Tensor, grad: torch.Tensor, ctx: AdapterContext) -> GradShard:
         """The grad's local shard, whether this copy counts, and the mesh's ranks."""

@@ -18,7 +18,9 @@ a 1-D mesh of every rank (2 gloo ranks by default, 1 thread each):
 * **warm**: the same call again on one layout (the common step);
 * **cold**: the first call on a layout never seen before. Ours: the
   parameter list rotated by 1, 2, 3 ... in an optimizer of its own
-  (``cold_repeats`` of them, so no sample finds another's step plan).
+  (``cold_repeats`` of them, at least 5, so no sample finds another's step
+  plan), one after each of the first warm rounds; cold / warm is the ratio of
+  the medians with an unpaired bootstrap interval.
   torch: the torch arm's first call, one
   sample, reported apart: DTensor's sharding propagation of a foreach op over
   N DTensors grows about quadratically on its first call (pytorch#169445),
@@ -27,6 +29,10 @@ a 1-D mesh of every rank (2 gloo ranks by default, 1 thread each):
   alone. Ours cold is stepped by a scaler that has stepped before (a layout
   that changes mid-training), so the scaler's own first-step checks are not
   charged to the layout;
+* **growth**: ours warm at the largest point against ``growth_base`` (4 000)
+  parameters, both layouts alive at once and alternating round by round
+  after the points (a paired interval): the points run minutes apart, so
+  their own ratio also carries the machine's drift;
 * ``clock``: ``wall`` (the default) or ``cpu``, each rank's process CPU time,
   which a machine shared with other work disturbs less (the ratios are what
   to compare across machines).
@@ -64,10 +70,11 @@ class HostConfig:
     points: tuple[int, ...] = (500, 1000, 2000, 4000, 8000, 20000)
     param_numel: int = 9  # elements per parameter: 5 and 4 per rank, tiny
     rounds: int = 24  # warm rounds per point (each runs every arm once)
-    cold_repeats: int = 3  # ours: first calls on fresh layouts per point
+    cold_repeats: int = 7  # ours: first calls on fresh layouts per point, among the warm rounds
     torch_max: int = 4000  # torch runs at every point up to this many parameters, and
     torch_budget_s: float = 240.0  # beyond it while its projected cold calls fit this budget
     clock: str = "wall"  # or "cpu": each rank's process CPU time (steadier on a loaded machine)
+    growth_base: int = 4000  # ours warm at the largest point against this one, interleaved
     world_size: int = 2
     max_norm: float = 1.0
     backend: str = "counting+c10d"
@@ -86,8 +93,11 @@ class HostConfig:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.cold_repeats < 3:
-            raise ValueError(f"--cold-repeats must be >= 3, got {self.cold_repeats}")
+        if self.cold_repeats < 5:
+            raise ValueError(f"--cold-repeats must be >= 5 (an interval needs them), got "
+                             f"{self.cold_repeats}")  # fmt: skip
+        if min(self.points) <= self.cold_repeats:
+            raise ValueError("every --points value must exceed --cold-repeats (one rotation each)")
         if not self.torch_budget_s >= 0 or not self.max_norm > 0:
             raise ValueError("--torch-budget must be >= 0 and --max-norm > 0")
         if self.clock not in ("wall", "cpu"):
@@ -150,30 +160,45 @@ def _point(cfg: HostConfig, count: int, mesh: Any, *, with_torch: bool) -> dict[
         case.restore()
     # Ours cold: layouts never stepped before -- the parameter list rotated, in an optimizer of
     # its own -- stepped by a scaler that has stepped before, as when parameters are frozen or
-    # added mid-training: the layout's cost, not the scaler's first step.
-    ours, cold_ours = cases["ours"], []
-    for k in range(cfg.cold_repeats):
-        rotated = ours.params[k + 1 :] + ours.params[: k + 1]
-        cold_ours.append(ours.timed(cfg.max_norm, clock, torch.optim.SGD(rotated, lr=0.0)))
-        ours.restore()
-    out["ours_cold_s"] = cold_ours
+    # added mid-training: the layout's cost, not the scaler's first step. One cold sample after
+    # each of the first warm rounds, so cold and warm share the machine's state of the moment.
+    ours = cases["ours"]
+    cold_ours: list[float] = []
     warm: dict[str, list[float]] = {arm: [] for arm in arms}
-    for order in balanced_order(len(arms), rounds_for(cfg.rounds, len(arms))):
+    orders = balanced_order(len(arms), rounds_for(cfg.rounds, len(arms)))
+    spread = max(1, len(orders) // cfg.cold_repeats)
+    for round_index, order in enumerate(orders):
         for index in order:
             arm = arms[index]
             warm[arm].append(cases[arm].timed(cfg.max_norm, clock))
             cases[arm].restore()
+        if round_index % spread == 0 and len(cold_ours) < cfg.cold_repeats:
+            cold_ours.append(_cold_sample(ours, len(cold_ours) + 1, cfg.max_norm, clock))
+    while len(cold_ours) < cfg.cold_repeats:
+        cold_ours.append(_cold_sample(ours, len(cold_ours) + 1, cfg.max_norm, clock))
+    out["ours_cold_s"] = cold_ours
     out["warm_s"] = warm
     out["warm"] = {arm: summary(samples) for arm, samples in warm.items()}
     out["us_per_param"] = {arm: median(s) / count * 1e6 for arm, s in warm.items()}
     out["ours_cold"] = summary(cold_ours)
     out["ours_cold_over_warm_derived"] = median(cold_ours) / median(warm["ours"])
+    out["cold_over_warm"] = ratio_interval(
+        cold_ours, warm["ours"], paired=False, seed=cfg.seed, resamples=cfg.resamples
+    ).as_dict()
     if with_torch:
         for name, arm in (("ratio", "ours"), ("aa", "torch_aa")):
             out[name] = ratio_interval(
                 warm[arm], warm["torch"], seed=cfg.seed, resamples=cfg.resamples
             ).as_dict()
     return out
+
+
+def _cold_sample(case: _Case, shift: int, max_norm: float, clock: str) -> float:
+    """Ours on a layout never stepped: the parameters rotated by ``shift``, a new optimizer."""
+    rotated = case.params[shift:] + case.params[:shift]
+    took = case.timed(max_norm, clock, torch.optim.SGD(rotated, lr=0.0))
+    case.restore()
+    return took
 
 
 def _growth(points: list[dict[str, Any]], cfg: HostConfig) -> list[dict[str, Any]]:
@@ -194,6 +219,30 @@ def _growth(points: list[dict[str, Any]], cfg: HostConfig) -> list[dict[str, Any
             "params_ratio": p["n_params"] / base["n_params"], "time_ratio": got.as_dict(),
         })  # fmt: skip
     return out
+
+
+def _interleaved_growth(cfg: HostConfig, mesh: Any) -> dict[str, Any] | None:
+    """Ours warm at the largest point against ``growth_base`` parameters, in the same rounds.
+
+    Points run minutes apart on a shared machine, so their ratio carries the load's drift;
+    here both layouts live side by side and alternate round by round (a paired interval).
+    """
+    top = max(cfg.points)
+    if cfg.growth_base not in cfg.points or cfg.growth_base >= top:
+        return None
+    numel = cfg.param_numel + 1
+    cases = [_Case("ours", n, numel, mesh, cfg.backend) for n in (cfg.growth_base, top)]
+    for case in cases:
+        case.timed(cfg.max_norm, cfg.clock)  # each layout's cold call, untimed
+        case.restore()
+    samples: list[list[float]] = [[], []]
+    for order in balanced_order(2, rounds_for(cfg.rounds, 2)):
+        for index in order:
+            samples[index].append(cases[index].timed(cfg.max_norm, cfg.clock))
+            cases[index].restore()
+    got = ratio_interval(samples[1], samples[0], seed=cfg.seed, resamples=cfg.resamples)
+    return {"n_params": top, "base": cfg.growth_base, "params_ratio": top / cfg.growth_base,
+            "time_ratio": got.as_dict(), "samples_s": samples}  # fmt: skip
 
 
 def _worker(rank: int, cfg: HostConfig, store: str, result_path: str) -> None:
@@ -236,6 +285,11 @@ def _worker(rank: int, cfg: HostConfig, store: str, result_path: str) -> None:
                       file=sys.stderr, flush=True)  # fmt: skip
                 with open(result_path, "w") as fh:  # after every point: a cut run keeps its data
                     json.dump({"points": points, "growth": _growth(points, cfg)}, fh)
+        growth = _interleaved_growth(cfg, mesh)
+        if rank == 0 and growth is not None:
+            with open(result_path, "w") as fh:
+                json.dump({"points": points, "growth": _growth(points, cfg),
+                           "growth_interleaved": growth}, fh)  # fmt: skip
     finally:
         dist.destroy_process_group()
     exit_worker()
@@ -282,11 +336,12 @@ def format_host(result: dict[str, Any]) -> str:
         f"{cfg.get('clock', 'wall')} clock, torch "
         f"{env['torch']}, {env['cpu_count']} CPUs (load {env['load_average_start']} at the "
         f"start); warm: medians of {cfg['rounds']}+ interleaved rounds, ratios with 95 % paired "
-        f"bootstrap intervals; ours cold: min/median/max of {cfg['cold_repeats']} fresh layouts; "
-        "torch cold: its first call, one sample.",
+        f"bootstrap intervals; ours cold: min/median/max of {cfg['cold_repeats']} fresh layouts "
+        "taken among the warm rounds, cold / warm: ratio of medians with a 95 % unpaired "
+        "bootstrap interval; torch cold: its first call, one sample.",
         "",
         "| params | torch cold s | ours cold ms | torch warm ms | ours warm ms | torch µs/param "
-        "| ours µs/param | ours / torch [95 % CI] | A/A [95 % CI] | ours cold / warm |",
+        "| ours µs/param | ours / torch [95 % CI] | A/A [95 % CI] | ours cold / warm [95 % CI] |",
         "| ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | ---: |",
     ]
     for p in result["points"]:
@@ -298,15 +353,27 @@ def format_host(result: dict[str, Any]) -> str:
         tc = f"{p['torch_cold_s']:.2f}" if has_torch else "skipped"
         ratio = _interval(p["ratio"]) if has_torch else "-"
         aa = _interval(p["aa"]) if has_torch else "-"
+        cold_warm = (
+            _interval(p["cold_over_warm"])
+            if "cold_over_warm" in p  # runs before the interval: the ratio alone
+            else f"{p['ours_cold_over_warm_derived']:.2f}"
+        )
         lines.append(
             f"| {p['n_params']} | {tc} | {cold} | {tw} | {p['warm']['ours']['median'] * 1e3:.1f} "
             f"| {tu} | {p['us_per_param']['ours']:.1f} | {ratio} | {aa} "
-            f"| {p['ours_cold_over_warm_derived']:.2f} |"
+            f"| {cold_warm} |"
         )
     for g in result.get("growth", []):
         lines.append(
             f"\nOurs warm, {g['n_params']} / {g['base']} parameters ({g['params_ratio']:.1f}x): "
             f"{_interval(g['time_ratio'])} (unpaired interval)"
+        )
+    inter = result.get("growth_interleaved")
+    if inter is not None:
+        lines.append(
+            f"\nOurs warm, {inter['n_params']} / {inter['base']} parameters "
+            f"({inter['params_ratio']:.1f}x), both layouts alternating in the same rounds: "
+            f"{_interval(inter['time_ratio'])} (paired interval)"
         )
     skipped = [f"{p['n_params']}: {p['torch_skipped']}" for p in result["points"]
                if "torch_skipped" in p]  # fmt: skip
@@ -334,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     fields: dict[str, Any] = {}
     if args.quick:
-        fields.update(points=(50, 100), rounds=6, resamples=200)
+        fields.update(points=(50, 100), rounds=6, resamples=200, cold_repeats=5, growth_base=50)
     if args.points:
         fields["points"] = tuple(int(x) for x in args.points.split(","))
     for name, value in (("rounds", args.rounds), ("cold_repeats", args.cold_repeats),
