@@ -70,7 +70,8 @@ class _Case:
         if self.arm == "ours":
             from shardscale.clip import unscale_and_clip_
 
-            unscale_and_clip_(self.scaler, self.opt, max_norm)
+            # The multiply done here (not folded into the untimed step), like torch's recipe.
+            unscale_and_clip_(self.scaler, self.opt, max_norm, fuse_optimizer=False)
         else:
             self.scaler.unscale_(self.opt)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
