@@ -118,6 +118,9 @@ def _case(kind: str, fused: bool, ckpt: str | None) -> dict[str, Any]:
     if ckpt is None:
         return out
     acc.save_state(ckpt)
+    # Accelerate writes scaler.pt on the main process only and does not wait: rank 1 would
+    # otherwise read a file rank 0 may still be writing.
+    acc.wait_for_everyone()
     out["saved_scaler"] = torch.load(Path(ckpt) / "scaler.pt", weights_only=True)
     # A fresh Accelerator and scaler built with another scale: the checkpoint's must win.
     acc2, model2, opt2, sched2 = _setup(kind, fused, 2.0**16)
