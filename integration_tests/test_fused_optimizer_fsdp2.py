@@ -59,6 +59,7 @@ def _arm(kind: str, ours: bool) -> dict[str, Any]:
     )
     gen = torch.Generator().manual_seed(3)
     folded = []
+    lists = [g["params"] for g in opt.param_groups]  # the user's list objects
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         scaler.scale(torch.zeros(()))  # the scale exists (torch's scaler makes it here)
@@ -96,6 +97,8 @@ def _arm(kind: str, ours: bool) -> dict[str, Any]:
         "folded": folded,
         "dtensor_state": dtensor_state,
         "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        # The very list objects the optimizer was built with (code holding one sees the groups).
+        "same_lists": all(g["params"] is x for g, x in zip(opt.param_groups, lists, strict=True)),
     }
 
 
@@ -127,6 +130,7 @@ def test_fsdp2_through_the_fused_kernel_matches_torchs_recipe(pool2: Pool, kind:
         assert ours["folded"] == [False] * first + [True] * (STEPS - first)
         assert ours["scale"] == ref["scale"]  # one overflow (rank 1 only), growth after
         assert ours["groups"] == ref["groups"]  # the user's flags, unchanged
+        assert ours["same_lists"] and ref["same_lists"]
         assert ours["dtensor_state"]  # the state holds DTensors, not the shards it ran on
         numel = sum(p.numel() for p in ref["params"])
         rtol, atol = _bounds(kind, numel)

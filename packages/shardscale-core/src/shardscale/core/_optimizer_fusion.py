@@ -207,7 +207,9 @@ def _local_shards(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """
     from torch.distributed.tensor import DTensor
 
-    saved = [list(g["params"]) for g in optimizer.param_groups]
+    # The list objects themselves come back: code may hold them, and the refusal cache is keyed
+    # on their identity (a copy would force the per-parameter check on every step).
+    saved = [g["params"] for g in optimizer.param_groups]
     stand_ins: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     try:
         for group in optimizer.param_groups:
