@@ -35,10 +35,15 @@ step's:
   accelerator, or under a float64 default dtype): the fused kernel needs them
   beside the parameters.
 
-DTensor parameters: the kernel must have a DTensor sharding rule (torch 2.13
-has them for Adam/AdamW, not for SGD); SGD over FSDP2's DTensors runs the
-kernel on their local shards instead (:func:`_local_shards`), the state's
-buffers being updated in place through their own local shards.
+DTensor parameters: the kernel runs on their local shards
+(:func:`_local_shards`), the state's buffers being updated in place through
+their own local shards. That is the only way for SGD (torch 2.13 has no
+DTensor sharding rule for ``_fused_sgd_``); for Adam/AdamW it skips
+DTensor's dispatch (sharding propagation over every parameter, every step),
+which is the same kernel on the same shards. Adam's first step, which
+creates the state, runs through DTensor's own rule (which must exist), so the
+state is DTensors. Natively fused (``fused=True``) SGD/Adam/AdamW steps take
+the same local-shard run (:func:`runs_on_local_shards`).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from typing import Any
 import torch
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-__all__ = ["FIRST_MOMENTUM_STEP", "fused_kernel_step", "fusion_refusal"]
+__all__ = ["FIRST_MOMENTUM_STEP", "fused_kernel_step", "fusion_refusal", "runs_on_local_shards"]
 
 #: torch's optimizers with fused kernels, and the kernel each runs.
 _FUSED_OPS: dict[type[torch.optim.Optimizer], str] = {
@@ -117,13 +122,24 @@ def fusion_refusal(optimizer: torch.optim.Optimizer) -> str | None:
     return _checked(optimizer)[1]
 
 
+def runs_on_local_shards(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether :func:`fused_kernel_step` would run ``optimizer`` on DTensors' local shards."""
+    checked = _checked(optimizer)
+    return checked[1] is None and checked[2]
+
+
 def _checked(optimizer: torch.optim.Optimizer) -> tuple[tuple[Any, ...], str | None, bool]:
     signature = _signature(optimizer)
     cached = _CACHE.get(optimizer)
     if cached is not None and cached[0] == signature:
         return cached
-    local = isinstance(optimizer, torch.optim.SGD) and any(
-        type(p).__name__ == "DTensor" for g in optimizer.param_groups for p in g["params"]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    # The kernel runs on the local shards where it can: SGD always (torch has no DTensor rule
+    # for it), Adam/AdamW once every parameter has its state (the first step creates state,
+    # which must be DTensors: it runs through DTensor's own rule). Skipping DTensor's dispatch
+    # saves its sharding propagation over every parameter, on every step.
+    local = any(type(p).__name__ == "DTensor" for p in params) and (
+        isinstance(optimizer, torch.optim.SGD) or all(optimizer.state.get(p) for p in params)
     )
     checked = (signature, _refusal(optimizer), local)
     _CACHE[optimizer] = checked
@@ -197,13 +213,14 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _local_shards(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """SGD over DTensors: the step sees each DTensor's local shard (torch has no DTensor rule).
+    """The step sees each DTensor parameter's local shard instead of the DTensor.
 
     Each parameter's local tensor stands in for it in ``param_groups`` and
     ``state`` (its gradient the gradient's local tensor, its momentum buffer
     the buffer's local tensor: updated in place, the DTensor sees it), all
-    restored afterwards. Only SGD needs this, and only with momentum buffers
-    that already exist (see :func:`fusion_refusal`).
+    restored afterwards. Only once every parameter has its state (SGD's
+    momentum buffers: see :func:`fusion_refusal`; Adam's: :func:`_checked`),
+    since state created here would be lost with the stand-ins.
     """
     from torch.distributed.tensor import DTensor
 
@@ -222,9 +239,13 @@ def _local_shards(optimizer: torch.optim.Optimizer) -> Iterator[None]:
                 stand_ins.append((local, local.grad))
                 grad = p.grad
                 local.grad = _local(grad) if isinstance(grad, DTensor) else grad
-                buf = optimizer.state.get(p, {}).get("momentum_buffer")
-                if isinstance(buf, DTensor):
-                    optimizer.state[local] = {"momentum_buffer": _local(buf)}
+                state = optimizer.state.get(p)
+                if state:
+                    # DTensor buffers by their local shard (updated in place, the DTensor sees
+                    # it); anything else (Adam's step counter, updated in place) as it is.
+                    optimizer.state[local] = {
+                        k: _local(v) if isinstance(v, DTensor) else v for k, v in state.items()
+                    }
                 params.append(local)
             group["params"] = params
         yield

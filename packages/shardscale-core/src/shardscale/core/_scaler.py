@@ -52,6 +52,7 @@ from shardscale.core._optimizer_fusion import (
     FIRST_MOMENTUM_STEP,
     fused_kernel_step,
     fusion_refusal,
+    runs_on_local_shards,
 )
 from shardscale.core._overflow import OverflowReport, build_overflow_report
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, StepRecord
@@ -977,7 +978,8 @@ class ShardedGradScaler:
         found_inf = state.found_inf(scale.device)
         if found_inf is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        if fold:
+        if fold or runs_on_local_shards(optimizer):
+            # Folded, or natively fused over DTensors: torch's kernel on the local shards.
             retval = fused_kernel_step(optimizer, state.grad_scale, found_inf, *args, **kwargs)
             state.stage = OptState.STEPPED
             return retval
