@@ -11,7 +11,7 @@ import collections
 import weakref
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,7 +21,25 @@ from shardscale.core._protocols import AdapterContext
 if TYPE_CHECKING:
     from shardscale.core._registry import Registry
 
-__all__ = ["GradBuckets", "OwnerRefs", "Trace", "check_ranks", "collect_grads", "optimizer_params"]
+__all__ = [
+    "GradBuckets",
+    "OwnerRefs",
+    "Trace",
+    "check_ranks",
+    "collect_grads",
+    "dtensor_type",
+    "optimizer_params",
+]
+
+
+def dtensor_type() -> type[Any] | None:
+    """torch's DTensor class, or None where torch is built without distributed support."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return DTensor
+
 
 _Key = tuple[torch.device, torch.dtype]
 

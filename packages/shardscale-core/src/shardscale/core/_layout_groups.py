@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from shardscale.core._gradients import GradBuckets, Trace, check_ranks
+from shardscale.core._gradients import GradBuckets, Trace, check_ranks, dtensor_type
 from shardscale.core._protocols import AdapterContext
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ def _collect(
     locals_: list[Any] = [None] * count
     counts: list[bool] = [False] * count
     stable = True
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     for adapter, members in _by_adapter(params, registry).items():
         promised = getattr(type(adapter), "stable_layout", False) is True
         stable = stable and promised
@@ -199,11 +199,3 @@ def _buckets(
             members,
         )
     return buckets
-
-
-def _dtensor_type() -> type[Any] | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed support
-        return None
-    return DTensor

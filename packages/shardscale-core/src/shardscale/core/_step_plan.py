@@ -52,7 +52,7 @@ from typing import Any, cast
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardscale.core._gradients import GradBuckets, Trace
+from shardscale.core._gradients import GradBuckets, Trace, dtensor_type
 
 __all__ = [
     "StepPlan",
@@ -207,9 +207,9 @@ def build_plan(
     locals_ = trace.locals
     grads: list[Any] = list(items) if as_grads else list(map(_GRAD, items))
     present = grads if len(present_positions) == len(grads) else _pick(grads, present_positions)
-    dtensor_type = _dtensor_type()
+    dtensor_cls = dtensor_type()
     kinds = {
-        kind: dtensor_type is not None and issubclass(kind, dtensor_type)
+        kind: dtensor_cls is not None and issubclass(kind, dtensor_cls)
         for kind in set(map(type, present))
     }
     if len(kinds) == 1:  # one class of gradient (FSDP2: all DTensors): no per-tensor choice
@@ -333,11 +333,3 @@ def warm_buckets(
     buckets.count = len(local)
     plan.uses += 1
     return buckets
-
-
-def _dtensor_type() -> type[Any] | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed support
-        return None
-    return DTensor
