@@ -89,7 +89,7 @@ def test_scaler_clip_grad_norm_is_the_true_norm_with_distinct_params(
         assert res["collectives"] == 1, res
 
 
-def _one_rank_bad_max_norm_case() -> dict[str, Any]:
+def _one_rank_bad_option_case(option: str) -> dict[str, Any]:
     from shardscale.core import ShardedGradScaler, StepError
 
     rank = dist.get_rank()
@@ -103,12 +103,15 @@ def _one_rank_bad_max_norm_case() -> dict[str, Any]:
     start = time.monotonic()
     out: dict[str, Any] = {"rank": rank}
     try:
-        scaler.unscale_(opt, max_norm=-1.0 if rank == 1 else 1.0)
+        if option == "max_norm":
+            scaler.unscale_(opt, max_norm=-1.0 if rank == 1 else 1.0)
+        else:  # a value of the wrong type on rank 1 only
+            scaler.unscale_(opt, max_norm=1.0, fuse_optimizer="yes" if rank == 1 else None)  # type: ignore[arg-type]
         out["error"] = None
     except StepError as exc:
         out["error"], out["text"], out["ranks"] = "StepError", str(exc), exc.ranks
-    except ValueError as exc:
-        out["error"], out["text"] = "ValueError", str(exc)
+    except (ValueError, TypeError) as exc:
+        out["error"], out["text"] = type(exc).__name__, str(exc)
     out["seconds"] = time.monotonic() - start
     out["grads_unchanged"] = all(
         torch.equal(p.grad, b)  # type: ignore[arg-type]
@@ -122,10 +125,19 @@ def _one_rank_bad_max_norm_case() -> dict[str, Any]:
     return out
 
 
-def test_a_bad_max_norm_on_one_rank_stops_every_rank(pool2: Pool) -> None:
-    r0, r1 = pool2.run(_one_rank_bad_max_norm_case, timeout=60)
+@pytest.mark.parametrize(
+    ("option", "error", "text"),
+    [
+        ("max_norm", "ValueError", "max_norm must be a positive number"),
+        ("fuse_optimizer", "TypeError", "fuse_optimizer must be None, True or False"),
+    ],
+)
+def test_a_bad_option_on_one_rank_stops_every_rank(
+    pool2: Pool, option: str, error: str, text: str
+) -> None:
+    r0, r1 = pool2.run(_one_rank_bad_option_case, option, timeout=60)
     assert isinstance(r0, dict) and isinstance(r1, dict)
-    assert r1["error"] == "ValueError" and "max_norm must be a positive number" in r1["text"]
+    assert r1["error"] == error and text in r1["text"], r1
     assert r0["error"] == "StepError" and r0["ranks"] == (1,), r0
     for r in (r0, r1):
         assert r["seconds"] < FAST, r

@@ -196,6 +196,13 @@ def _strongest(flags: list[torch.Tensor]) -> torch.Tensor:
     return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
 
 
+def _bad_fuse_option(value: object) -> TypeError | None:
+    """The error for a ``fuse_optimizer`` that is not None, True or False (1 and 0 included)."""
+    if value is None or isinstance(value, bool):
+        return None
+    return TypeError(f"fuse_optimizer must be None, True or False, got {value!r}")
+
+
 class ShardedGradScaler:
     """Dynamic loss scaling for sharded and unsharded models.
 
@@ -347,8 +354,9 @@ class ShardedGradScaler:
         if not isinstance(check_loss, bool):
             raise TypeError(f"check_loss must be True or False, got {check_loss!r}")
         self._check_loss = check_loss
-        if fuse_optimizer not in (None, True, False):
-            raise TypeError(f"fuse_optimizer must be None, True or False, got {fuse_optimizer!r}")
+        bad_fuse = _bad_fuse_option(fuse_optimizer)
+        if bad_fuse is not None:
+            raise bad_fuse
         self._fuse_optimizer = fuse_optimizer
         self._spike_window = SpikeWindow(self._spike) if self._spike is not None else None
         self._loss_flag: torch.Tensor | None = None
@@ -673,15 +681,18 @@ class ShardedGradScaler:
 
     def _folds(
         self, optimizer: torch.optim.Optimizer, choice: bool | None = None
-    ) -> tuple[bool, ValueError | None]:
+    ) -> tuple[bool, Exception | None]:
         """Whether ``optimizer``'s step runs through torch's fused kernel, and why not if asked.
 
         ``choice`` overrides the scaler's ``fuse_optimizer``. A fused optimizer
-        needs nothing: it takes ``grad_scale`` itself. The error is for
-        ``fuse_optimizer=True`` when the optimizer does not qualify.
+        needs nothing: it takes ``grad_scale`` itself. The error (a bad
+        ``choice``, or ``fuse_optimizer=True`` when the optimizer does not
+        qualify) is returned, not raised: the step's collective carries it to
+        every rank.
         """
-        if choice not in (None, True, False):
-            raise TypeError(f"fuse_optimizer must be None, True or False, got {choice!r}")
+        bad = _bad_fuse_option(choice)
+        if bad is not None:
+            return False, bad
         wanted = self._fuse_optimizer if choice is None else choice
         if wanted is False or getattr(optimizer, "_step_supports_amp_scaling", False):
             return False, None
