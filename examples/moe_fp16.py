@@ -105,7 +105,7 @@ def train(style: str) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from shardscale.clip import unscale_and_clip_
-    from shardscale.core import ShardedGradScaler
+    from shardscale.core import Layout, ShardedGradScaler
 
     world, rank = dist.get_world_size(), dist.get_rank()
     model = MoE()
@@ -132,7 +132,7 @@ def train(style: str) -> None:
         experts = [model.experts.w1, model.experts.w2]
         # The one declaration: these plain parameters are this rank's own, not replicas.
         scaler = ShardedGradScaler(
-            "cpu", init_scale=2.0**12, growth_interval=2, distinct_params=experts
+            "cpu", init_scale=2.0**12, growth_interval=2, layout=Layout(distinct_params=experts)
         )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)

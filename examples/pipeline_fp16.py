@@ -50,13 +50,15 @@ def train() -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from shardscale.clip import unscale_and_clip_
-    from shardscale.core import ShardedGradScaler
+    from shardscale.core import Layout, ShardedGradScaler
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     stage, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     module = build_stage(stage, mesh["dp"])
     # distinct_dims=("pp",): the pp coordinates hold different parameters, never replicas.
-    scaler = ShardedGradScaler("cpu", init_scale=2.0**12, growth_interval=2, distinct_dims=("pp",))
+    scaler = ShardedGradScaler(
+        "cpu", init_scale=2.0**12, growth_interval=2, layout=Layout(distinct_dims=("pp",))
+    )
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardscale.collectives import CountingMiddleware, find_middleware
-from shardscale.core import AdapterContext, ShardedGradScaler, collect_grads, get_registry
+from shardscale.core import AdapterContext, Layout, ShardedGradScaler, collect_grads, get_registry
 
 __all__ = [
     "IN_DIM",
@@ -233,7 +233,7 @@ def run_against_reference(
     distinct = tuple(distinct_dims)
     ours_params = pick(model)
     scaler = ShardedGradScaler(
-        "cpu", backend="counting+c10d", distinct_dims=distinct, **SCALER_ARGS
+        "cpu", backend="counting+c10d", layout=Layout(distinct_dims=distinct), **SCALER_ARGS
     )
     batches = global_batches(rows)
     ref_params = list(reference.parameters())

@@ -309,13 +309,16 @@ def test_two_optimizers_match_torch(pool2: Pool) -> None:
 
 def _expert_case() -> list[dict[str, float]]:
     from shardscale.accelerate import use_shardscale
+    from shardscale.core import Layout
 
     acc = _fresh_accelerator()
     torch.manual_seed(0)
     shared = torch.nn.Linear(DIM, 4)
     torch.manual_seed(10 + dist.get_rank())
     expert = torch.nn.Linear(DIM, 4)
-    scaler = use_shardscale(acc, init_scale=INIT_SCALE, distinct_params=expert.parameters())
+    scaler = use_shardscale(
+        acc, init_scale=INIT_SCALE, layout=Layout(distinct_params=expert.parameters())
+    )
     opts = acc.prepare(
         torch.optim.SGD(shared.parameters(), lr=LR), torch.optim.SGD(expert.parameters(), lr=LR)
     )
@@ -353,11 +356,11 @@ def test_expert_parallel_plain_tensors_clip_by_the_true_norm(pool2: Pool) -> Non
 
 # -- skip policies without loss scaling: bf16 + loss_scaling=False + spike + streak -------------
 #
-# The one option: use_shardscale(accelerator, loss_scaling=False, spike=..., ...) on a bf16
+# The one option: use_shardscale(accelerator, loss_scaling=False, policies=[...]) on a bf16
 # Accelerator (which builds no scaler of its own). A spike (the loss times 1e4 on rank 1: finite
 # gradients far above the threshold) and a nan loss on rank 0 are injected at known steps;
 # whether a step is a spike is decided here from torch's own norm (float64). Then two nan steps
-# in a row reach max_consecutive_skips=2: every rank raises at the same step.
+# in a row reach SkipStreakLimit(max_skips=2): every rank raises at the same step.
 
 SPIKE_STEP, NAN_STEP = 3, 5
 SPIKE_ABS = 100.0  # far above this model's clean pre-clip norms (checked), far below 1e4 times
@@ -365,15 +368,16 @@ SPIKE_ABS = 100.0  # far above this model's clean pre-clip norms (checked), far 
 
 def _policy_case() -> dict[str, Any]:
     from shardscale.accelerate import use_shardscale
-    from shardscale.core import SkipStreakError, SpikeSkip
+    from shardscale.core import SkipStreakError, SkipStreakLimit, SpikeSkip
     from shardscale.core.testing import HostReadRecorder
 
     acc = _fresh_accelerator("bf16")
     assert acc.scaler is None  # Accelerate's bf16: no scaler, no guard
     scaler = use_shardscale(
-        acc, loss_scaling=False, spike=SpikeSkip(max_norm_abs=SPIKE_ABS, z=None),
-        max_consecutive_skips=2,
-    )  # fmt: skip
+        acc,
+        loss_scaling=False,
+        policies=[SpikeSkip(max_norm_abs=SPIKE_ABS, z=None), SkipStreakLimit(max_skips=2)],
+    )
     net = _net()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))

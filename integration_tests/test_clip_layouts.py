@@ -347,6 +347,7 @@ def train_case(
     """Train the sharded model and an unsharded reference side by side; report what was seen."""
     from shardscale.clip import clip_grad_norm_, unscale_and_clip_
     from shardscale.collectives import CountingMiddleware, find_middleware
+    from shardscale.core import Layout as ScalerLayout  # this module's Layout is a test layout
     from shardscale.core import ShardedGradScaler
 
     make_layout, model_cls = LAYOUTS[layout_name]
@@ -358,7 +359,10 @@ def train_case(
     opt = OPTIMIZERS[opt_name](_groups_by_type(layout.model))
     ref_scaler = torch.amp.GradScaler("cpu", **SCALER_KW)
     scaler = ShardedGradScaler(
-        "cpu", backend="counting+c10d", distinct_dims=layout.distinct_dims, **SCALER_KW
+        "cpu",
+        backend="counting+c10d",
+        layout=ScalerLayout(distinct_dims=layout.distinct_dims),
+        **SCALER_KW,
     )
     counter = find_middleware(scaler.backend, CountingMiddleware)
     stream = None

@@ -46,12 +46,12 @@ def _expert_world(rank: int) -> tuple[list[torch.nn.Parameter], list[torch.nn.Pa
 
 
 def _clip_with_distinct_params_case(max_norm: float) -> dict[str, Any]:
-    from shardscale.core import ShardedGradScaler
+    from shardscale.core import Layout, ShardedGradScaler
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dense, experts = _expert_world(rank)
     scaler = ShardedGradScaler(
-        "cpu", backend="counting+c10d", distinct_params=experts, enabled=False
+        "cpu", backend="counting+c10d", layout=Layout(distinct_params=experts), enabled=False
     )
     norm = scaler.clip_grad_norm_([*dense, *experts], max_norm)
     # What one process holding every rank's experts computes with torch.
@@ -185,13 +185,15 @@ def _attempt(call: Any, params: list[torch.nn.Parameter], scaler: Any = None) ->
 
 def _pp_name_on_plain_stages_case(front: str, dims: tuple[str, ...]) -> dict[str, Any]:
     from shardscale.clip import clip_grad_norm_
-    from shardscale.core import ShardedGradScaler
+    from shardscale.core import Layout, ShardedGradScaler
 
     rank, world = dist.get_rank(), dist.get_world_size()
     params = _stage_params(rank)
     if front == "scaler":
         opt = torch.optim.SGD(params, lr=0.1)
-        scaler = ShardedGradScaler("cpu", backend="c10d", distinct_dims=dims, init_scale=1.0)
+        scaler = ShardedGradScaler(
+            "cpu", backend="c10d", layout=Layout(distinct_dims=dims), init_scale=1.0
+        )
         out = _attempt(lambda: scaler.unscale_(opt, max_norm=1.0), params, scaler)
     else:
         out = _attempt(
@@ -226,7 +228,14 @@ def test_star_on_plain_stages_gives_the_true_norm(pool2: Pool) -> None:
 
 
 def _disagreeing_case(what: str) -> dict[str, Any]:
-    from shardscale.core import ShardedGradScaler
+    from shardscale.core import (
+        Layout,
+        LossCheck,
+        ScaleBounds,
+        ShardedGradScaler,
+        SkipStreakLimit,
+        SpikeSkip,
+    )
 
     rank = dist.get_rank()
     dense, experts = _expert_world(rank)
@@ -234,30 +243,38 @@ def _disagreeing_case(what: str) -> dict[str, Any]:
     opt = torch.optim.SGD(params, lr=0.1)
     kwargs: dict[str, Any] = {"backend": "counting+c10d", "init_scale": 1.0}
     max_norm = 1.0
+    layout = Layout(distinct_params=experts)
     if what == "distinct_params":  # rank 1 forgot to declare its experts
-        kwargs["distinct_params"] = experts if rank == 0 else []
+        layout = Layout(distinct_params=experts if rank == 0 else [])
     elif what == "distinct_dims":  # rank 0 says every plain tensor is its own, rank 1 not
-        kwargs["distinct_dims"] = ("*",) if rank == 0 else ()
-        kwargs["distinct_params"] = experts if rank == 1 else []
+        layout = Layout(
+            distinct_dims=("*",) if rank == 0 else (), distinct_params=experts if rank == 1 else []
+        )
     elif what == "max_norm":
-        kwargs["distinct_params"] = experts
         max_norm = 1.0 + rank
     elif what == "spike":  # one threshold per rank: one rank would skip while the other steps
-        from shardscale.core import SpikeSkip
-
-        kwargs["distinct_params"] = experts
-        kwargs["spike"] = SpikeSkip(z=6.0 if rank == 0 else 3.0)
-    elif what == "max_consecutive_skips":  # one rank would stop while the other went on
-        kwargs["distinct_params"] = experts
-        kwargs["max_consecutive_skips"] = 10 + rank
-    scaler = ShardedGradScaler("cpu", **kwargs)
+        kwargs["policies"] = [SpikeSkip(z=6.0 if rank == 0 else 3.0)]
+    elif what == "streak":  # one rank would stop while the other went on
+        kwargs["policies"] = [SkipStreakLimit(max_skips=10 + rank)]
+    elif what == "scale_bounds":  # the ranks' scales would drift apart
+        kwargs["loss_scaling"] = ScaleBounds(hysteresis=1 + rank)
+    elif what == "same_spelled_differently":  # equal options, written two ways: they agree
+        # In another order; LossCheck on rank 0 only: it is not declared, each rank adding its
+        # own loss flag to the reduced vector (0 without a loss, as a pipeline's first stages).
+        kwargs["policies"] = (
+            [SpikeSkip(z=6), LossCheck(), SkipStreakLimit(max_skips=3)]
+            if rank == 0
+            else [SkipStreakLimit(max_skips=3), SpikeSkip(z=6.0)]
+        )
+        kwargs["loss_scaling"] = ScaleBounds(min_scale=1 if rank == 0 else 1.0)
+    scaler = ShardedGradScaler("cpu", layout=layout, **kwargs)
     out = _attempt(lambda: scaler.unscale_(opt, max_norm=max_norm), params, scaler)
     out["collectives"] = len(scaler.backend.records)  # type: ignore[attr-defined]
     return out
 
 
 @pytest.mark.parametrize(
-    "what", ["distinct_params", "distinct_dims", "max_norm", "spike", "max_consecutive_skips"]
+    "what", ["distinct_params", "distinct_dims", "max_norm", "spike", "streak", "scale_bounds"]
 )
 def test_ranks_that_declare_differently_all_raise(pool2: Pool, what: str) -> None:
     # Item 5: a wrong norm, identical on every rank and without a word, before.
@@ -271,9 +288,17 @@ def test_ranks_that_declare_differently_all_raise(pool2: Pool, what: str) -> Non
         assert res["collectives"] == 1, res
 
 
+def test_ranks_with_the_same_options_written_differently_agree(pool2: Pool) -> None:
+    # SpikeSkip(z=6) and SpikeSkip(z=6.0), policies in another order, min_scale=1 and 1.0.
+    for res in pool2.run(_disagreeing_case, "same_spelled_differently", timeout=60):
+        assert isinstance(res, dict)
+        assert res["error"] is None, res
+        assert res["collectives"] == 1, res
+
+
 def _stranger_case(front: str) -> dict[str, Any]:
     from shardscale.clip import clip_grad_norm_
-    from shardscale.core import ShardedGradScaler
+    from shardscale.core import Layout, ShardedGradScaler
 
     rank = dist.get_rank()
     dense, experts = _expert_world(rank)
@@ -282,7 +307,7 @@ def _stranger_case(front: str) -> dict[str, Any]:
     params = [*dense, *experts]
     if front == "scaler":
         opt = torch.optim.SGD(params, lr=0.1)
-        scaler = ShardedGradScaler("cpu", backend="c10d", distinct_params=declared)
+        scaler = ShardedGradScaler("cpu", backend="c10d", layout=Layout(distinct_params=declared))
         return _attempt(lambda: scaler.unscale_(opt, max_norm=1.0), params, scaler)
     return _attempt(
         lambda: clip_grad_norm_(params, 1.0, backend="c10d", distinct_params=declared), params

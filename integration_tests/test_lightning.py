@@ -541,12 +541,16 @@ class _Experts(pl.LightningModule):
 def _expert_case() -> dict[str, Any]:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
+    from shardscale.core import Layout
     from shardscale.lightning import ShardscalePrecision
 
     _launch_env()
     model = _Experts()
     plugin = ShardscalePrecision(
-        "16-mixed", device="cpu", init_scale=INIT_SCALE, distinct_params=model.expert.parameters()
+        "16-mixed",
+        device="cpu",
+        init_scale=INIT_SCALE,
+        layout=Layout(distinct_params=model.expert.parameters()),
     )
     norms = _Norms(plugin)
     trainer = pl.Trainer(
@@ -577,9 +581,9 @@ def test_expert_parallel_plain_tensors_clip_by_the_true_norm(pool2: Pool) -> Non
             assert ours == pytest.approx(true, rel=norm_rtol(numel, torch.float32, 2.0)), res
 
 
-# -- skip policies without loss scaling: bf16-mixed + loss_scaling=False + spike=SpikeSkip ----
+# -- skip policies without loss scaling: bf16-mixed + loss_scaling=False + a SpikeSkip --------
 #
-# The one option: ShardscalePrecision("bf16-mixed", loss_scaling=False, spike=...). A spike
+# The one option: ShardscalePrecision("bf16-mixed", loss_scaling=False, policies=[...]). A spike
 # (the loss times 1e4 on rank 1: finite gradients far above the threshold) and a nan loss on
 # rank 0 (non-finite gradients) are injected at known steps. Whether each step is a spike is
 # decided here from torch's own norm of the gradients (float64), not read from the scaler.
@@ -632,7 +636,7 @@ def _policy_case(strategy: str, fused: bool) -> dict[str, Any]:
         "bf16-mixed",
         device="cpu",
         loss_scaling=False,
-        spike=SpikeSkip(max_norm_abs=SPIKE_ABS, z=None),
+        policies=[SpikeSkip(max_norm_abs=SPIKE_ABS, z=None)],
     )
     rec = _PolicyRecorder(plugin)
     model = _PolicyNet(fused=fused, layout=strategy, override_clip=False)
@@ -772,15 +776,17 @@ class _LrSeen(pl.Callback):
 
 
 def _reasons_case(precision: str) -> dict[str, Any]:
-    from shardscale.core import SpikeSkip
+    from shardscale.core import LossCheck, SpikeSkip
     from shardscale.lightning import ShardscalePrecision
 
     _launch_env()
-    options: dict[str, Any] = {"check_loss": True}
+    options: dict[str, Any] = {"policies": [LossCheck()]}
     if precision == "16-mixed":
         options["init_scale"] = INIT_SCALE
     else:
-        options.update(loss_scaling=False, spike=SpikeSkip(max_norm_abs=SPIKE_ABS, z=None))
+        options.update(
+            loss_scaling=False, policies=[LossCheck(), SpikeSkip(max_norm_abs=SPIKE_ABS, z=None)]
+        )
     plugin = ShardscalePrecision(precision, device="cpu", **options)  # type: ignore[arg-type]
     seen = _LrSeen(plugin)
     model = _ReasonNet(_REASON_INJECT[precision])

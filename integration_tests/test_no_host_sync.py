@@ -127,7 +127,9 @@ def _policies_case(clip: bool) -> dict[str, Any]:
     from shardscale.clip import unscale_and_clip_
     from shardscale.core import (
         DeviceLRSchedule,
+        LossCheck,
         ShardedGradScaler,
+        SkipStreakLimit,
         SpikeSkip,
         WarmupSchedule,
     )
@@ -148,9 +150,7 @@ def _policies_case(clip: bool) -> dict[str, Any]:
         backend="c10d",
         process_group=group,
         loss_scaling=False,
-        spike=SpikeSkip(window=4, warmup=2),
-        check_loss=True,
-        max_consecutive_skips=3,
+        policies=[SpikeSkip(window=4, warmup=2), LossCheck(), SkipStreakLimit(max_skips=3)],
     )
     sched = DeviceLRSchedule(opt, WarmupSchedule(steps=3), scaler=scaler)
     out: dict[str, Any] = {"seen": [], "calls": [], "reasons": []}

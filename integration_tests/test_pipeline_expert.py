@@ -39,7 +39,7 @@ from mp_harness import Pool
 from tolerances import clipped_grad_rtol, norm_rtol
 from torch import nn
 
-from shardscale.core import VectorLayout
+from shardscale.core import Layout, VectorLayout
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -384,8 +384,7 @@ def train_case(name: str) -> dict[str, Any]:
     scaler = ShardedGradScaler(
         "cpu",
         backend="counting+c10d",
-        distinct_dims=setup.distinct_dims,
-        distinct_params=setup.distinct_params,
+        layout=Layout(distinct_dims=setup.distinct_dims, distinct_params=setup.distinct_params),
         **SCALER_KW,
     )
     ref_scaler = torch.amp.GradScaler("cpu", **SCALER_KW)
@@ -627,7 +626,7 @@ def dtensor_in_distinct_params_case() -> tuple[str, str]:
 
     setup = ExpertSetup(style="ep")
     wrong = [setup.model.experts.w1] if dist.get_rank() == 0 else []
-    scaler = ShardedGradScaler("cpu", distinct_params=wrong, **SCALER_KW)
+    scaler = ShardedGradScaler("cpu", layout=Layout(distinct_params=wrong), **SCALER_KW)
     opt = torch.optim.SGD(setup.params(), lr=0.1)
     x, y = batch(0)
     setup.forward_backward(scaler, x, y)

@@ -193,14 +193,14 @@ def test_a_rank_local_error_raises_on_every_rank_within_seconds(pool2: Pool, api
 
 
 def _refusal_case(what: str) -> dict[str, Any]:
-    from shardscale.core import Registry, ShardedGradScaler
+    from shardscale.core import Layout, ShardedGradScaler, get_registry, reset_registry
 
     rank = dist.get_rank()
     torch.manual_seed(0)
     model: nn.Module = nn.Linear(4, 2)
     backend = "c10d"
     distinct: tuple[str, ...] = ()
-    registry = None
+    fresh_registry = False
     if what == "local":
         backend = "local"
     elif what == "chains":
@@ -216,25 +216,29 @@ def _refusal_case(what: str) -> dict[str, Any]:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         model = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+        # The process registry (the scaler's), loaded without the FSDP1 adapter's plugin for
+        # this case only: forgotten in the finally below, so later cases load it whole again.
         os.environ["SHARDSCALE_DISABLE_PLUGINS"] = "shardscale-fsdp"
         try:
-            registry = Registry()
-            registry.load()
+            reset_registry()
+            fresh_registry = True
+            get_registry().load()
         finally:
             del os.environ["SHARDSCALE_DISABLE_PLUGINS"]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out: dict[str, Any] = {"rank": rank}
     start = time.monotonic()
     try:
-        scaler = ShardedGradScaler(
-            "cpu", backend=backend, distinct_dims=distinct, registry=registry
-        )
+        scaler = ShardedGradScaler("cpu", backend=backend, layout=Layout(distinct_dims=distinct))
         scaler.scale(model(torch.ones(2, 4)).sum()).backward()
         scaler.step(opt)
         scaler.update()
         out["error"] = None
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        if fresh_registry:
+            reset_registry()
     out["elapsed"] = time.monotonic() - start
     return out
 
@@ -332,7 +336,10 @@ def _spike_report_case() -> dict[str, Any]:
     opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
     threshold = 1e3  # checked below against torch's norm of every step's gradients
     scaler = ShardedGradScaler(
-        "cpu", backend="c10d", loss_scaling=False, spike=SpikeSkip(max_norm_abs=threshold, z=None)
+        "cpu",
+        backend="c10d",
+        loss_scaling=False,
+        policies=[SpikeSkip(max_norm_abs=threshold, z=None)],
     )
     norms, reports = [], []
     for step in range(2):

@@ -51,7 +51,7 @@ def step_case(layout: str, dtype_name: str, norm_type: float, max_norm: float) -
     os.environ["TRITON_INTERPRET"] = "1"  # before this worker's first import of triton
     os.environ["SHARDSCALE_TRITON_INTERPRET"] = "1"
     from shardscale.clip import unscale_and_clip_
-    from shardscale.core import ShardedGradScaler, get_registry
+    from shardscale.core import Layout, ShardedGradScaler, get_registry
 
     assert get_registry().kernels_for(torch.device("cpu")).name == "triton"  # chosen by itself
     dtype = getattr(torch, dtype_name)
@@ -61,7 +61,11 @@ def step_case(layout: str, dtype_name: str, norm_type: float, max_norm: float) -
     distinct = ("*",) if layout == "plain" else ()  # plain: each rank holds its own tensors
     scalers = {
         k: ShardedGradScaler(
-            "cpu", backend="c10d", init_scale=2.0**10, kernels=k, distinct_dims=distinct
+            "cpu",
+            backend="c10d",
+            init_scale=2.0**10,
+            kernels=k,
+            layout=Layout(distinct_dims=distinct),
         )
         for k in ("foreach", "triton")
     }

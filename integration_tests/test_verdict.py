@@ -31,7 +31,7 @@ from mp_harness import Pool
 from tolerances import clipped_grad_rtol, norm_rtol
 from torch import nn
 
-from shardscale.core import SkipReason, VectorLayout
+from shardscale.core import Layout, SkipReason, VectorLayout
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -101,10 +101,9 @@ def verdict_case(name: str, event: str) -> dict[str, Any]:
     scaler = ShardedGradScaler(
         "cpu",
         backend="counting+c10d",
-        distinct_dims=setup.distinct_dims,
-        distinct_params=setup.distinct_params,
+        layout=Layout(distinct_dims=setup.distinct_dims, distinct_params=setup.distinct_params),
         loss_scaling=False,
-        spike=SpikeSkip(**SPIKE),
+        policies=[SpikeSkip(**SPIKE)],
     )
     counter = find_middleware(scaler.backend, CountingMiddleware)
     out: dict[str, Any] = {k: [] for k in ("norms", "ref_norms", "skipped", "ref_skipped")}
@@ -216,7 +215,7 @@ def fsdp_spike_case() -> dict[str, Any]:
     pe._sum_gradients(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    scaler = ShardedGradScaler("cpu", init_scale=2.0**10, spike=SpikeSkip(**SPIKE))
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**10, policies=[SpikeSkip(**SPIKE)])
     out: dict[str, Any] = {"skipped": [], "ref_skipped": [], "reasons": []}
     accepted: list[float] = []
     for step in range(STEPS):
@@ -338,13 +337,13 @@ def resume_case(directory: str) -> dict[str, Any]:
     from shardscale.core import SpikeSkip
 
     total, split = 11, 5
-    model, opt, scaler = _fsdp_model(spike=SpikeSkip(**RESUME_SPIKE))
+    model, opt, scaler = _fsdp_model(policies=[SpikeSkip(**RESUME_SPIKE)])
     uninterrupted = _fsdp_steps(model, opt, scaler, range(total), RESUME_EVENTS)
     whole = scaler.state_dict()
-    model, opt, scaler = _fsdp_model(spike=SpikeSkip(**RESUME_SPIKE))
+    model, opt, scaler = _fsdp_model(policies=[SpikeSkip(**RESUME_SPIKE)])
     head = _fsdp_steps(model, opt, scaler, range(split), RESUME_EVENTS)
     dcp.save({"app": _App(model, opt), "scaler": scaler}, checkpoint_id=directory)
-    model, opt, scaler = _fsdp_model(spike=SpikeSkip(**RESUME_SPIKE))
+    model, opt, scaler = _fsdp_model(policies=[SpikeSkip(**RESUME_SPIKE)])
     dcp.load({"app": _App(model, opt), "scaler": scaler}, checkpoint_id=directory)
     loaded = scaler.state_dict()
     tail = _fsdp_steps(model, opt, scaler, range(split, total), RESUME_EVENTS)
@@ -372,9 +371,9 @@ def test_the_spike_window_after_a_dcp_resume_equals_the_uninterrupted_runs(pool4
 
 
 def streak_case() -> dict[str, Any]:
-    from shardscale.core import SkipStreakError
+    from shardscale.core import SkipStreakError, SkipStreakLimit
 
-    model, opt, scaler = _fsdp_model(max_consecutive_skips=2)
+    model, opt, scaler = _fsdp_model(policies=[SkipStreakLimit(max_skips=2)])
     events = {1: "nan", 3: "nan", 4: "nan", 5: "nan"}
     out: dict[str, Any] = {"raised_at": None}
     reasons: list[int] = []

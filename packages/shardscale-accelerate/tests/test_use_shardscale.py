@@ -35,7 +35,7 @@ from shardscale.accelerate import (
     is_using_shardscale,
     use_shardscale,
 )
-from shardscale.core import Registry, ShardedGradScaler
+from shardscale.core import ShardedGradScaler, get_registry
 from shardscale.core.testing import HostReadRecorder, RecordingKernels
 
 
@@ -140,14 +140,14 @@ def test_grad_scaler_kwargs_handler_and_options_build_the_scaler() -> None:
 
 @pytest.mark.parametrize("precision", ["bf16", "no", "fp16"])
 def test_loss_scaling_false_enables_the_guard_on_any_precision(precision: str) -> None:
-    from shardscale.core import SpikeSkip
+    from shardscale.core import LossCheck, SpikeSkip
 
     spike = SpikeSkip()
     scaler = use_shardscale(
-        _fresh(mixed_precision=precision), loss_scaling=False, spike=spike, check_loss=True
+        _fresh(mixed_precision=precision), loss_scaling=False, policies=[spike, LossCheck()]
     )
     assert scaler.is_enabled() and not scaler.loss_scaling and scaler.get_scale() == 1.0
-    assert scaler.spike is spike
+    assert scaler.policies[0] is spike and scaler.policies[1] == LossCheck()
     # enabled=False still wins when asked for.
     off = use_shardscale(_fresh(mixed_precision=precision), loss_scaling=False, enabled=False)
     assert not off.is_enabled()
@@ -215,15 +215,18 @@ _SPIKE_ABS = 1e3
 def test_every_skip_reason_holds_the_prepared_scheduler_without_a_host_read(
     precision: str,
 ) -> None:
-    from shardscale.core import SkipReason, SpikeSkip
+    from shardscale.core import LossCheck, SkipReason, SpikeSkip
 
     inject = _REASONS[precision]
     acc = _accelerator(mixed_precision=precision)
-    options: dict[str, Any] = {"check_loss": True}
+    options: dict[str, Any] = {"policies": [LossCheck()]}
     if precision == "fp16":
         options["init_scale"] = 512.0
     else:
-        options.update(loss_scaling=False, spike=SpikeSkip(max_norm_abs=_SPIKE_ABS, z=None))
+        options.update(
+            loss_scaling=False,
+            policies=[LossCheck(), SpikeSkip(max_norm_abs=_SPIKE_ABS, z=None)],
+        )
     scaler = use_shardscale(acc, **options)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
@@ -468,18 +471,21 @@ def test_both_clip_paths_use_the_scalers_kernels(subset: bool, kernels: str | No
     # (the scaler's own unscale records "unscale"). A clip that dropped the scaler's kernels
     # would read the norm with the built-in ones.
     recorder = RecordingKernels()
-    registry = Registry()
-    registry.register(recorder, name="recording-kernels")
-    acc = _accelerator()
-    use_shardscale(acc, scaler=ShardedGradScaler("cpu", kernels=kernels, registry=registry))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
-    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    acc.backward(model(torch.randn(4, 4, generator=torch.Generator().manual_seed(1))).sum())
-    # One optimizer's parameters: the clip fused with the unscale; a subset: unscale_gradients,
-    # then the scaler's clip.
-    norm = acc.clip_grad_norm_(model[-1].parameters() if subset else model.parameters(), 0.01)
-    opt.step()
+    # On the process registry, which every scaler uses; unregistered whatever happens.
+    name = get_registry().register(recorder, name="recording-kernels")
+    try:
+        acc = _accelerator()
+        use_shardscale(acc, scaler=ShardedGradScaler("cpu", kernels=kernels))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        acc.backward(model(torch.randn(4, 4, generator=torch.Generator().manual_seed(1))).sum())
+        # One optimizer's parameters: the clip fused with the unscale; a subset:
+        # unscale_gradients, then the scaler's clip.
+        norm = acc.clip_grad_norm_(model[-1].parameters() if subset else model.parameters(), 0.01)
+        opt.step()
+    finally:
+        get_registry().unregister(name)
     assert torch.isfinite(norm)
     if kernels is None:
         assert recorder.calls == []  # never chosen by itself
@@ -504,7 +510,7 @@ def test_device_schedule_and_ema_hold_on_a_spike_skip_in_bf16() -> None:
     steps, spike_at, threshold = 6, 2, 100.0
     acc = _accelerator(mixed_precision="bf16")
     scaler = use_shardscale(
-        acc, loss_scaling=False, spike=SpikeSkip(max_norm_abs=threshold, z=None)
+        acc, loss_scaling=False, policies=[SpikeSkip(max_norm_abs=threshold, z=None)]
     )
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)

@@ -2,7 +2,8 @@
 
 Table-driven: each :class:`Case` builds a fresh little training world (a model's
 parameters with gradients, one or two optimizers, a scaler at some point of its
-iteration, a private registry), takes a snapshot of every piece of state a user
+iteration, the process registry -- fresh for each test, see
+:func:`_fresh_process_registry`), takes a snapshot of every piece of state a user
 could care about, performs one bad call and checks
 
 * the exception type,
@@ -24,7 +25,7 @@ import importlib
 import importlib.util
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -34,17 +35,39 @@ import torch
 from shardscale.core import (
     BackendUnavailableError,
     CompletedHandle,
+    Layout,
     LayoutError,
+    LossCheck,
     OptState,
     PluginConflictError,
     PluginNotFoundError,
     ReduceOp,
     Registry,
+    ScaleBounds,
     ScalerStateError,
     ShardedGradScaler,
     ShardscaleError,
+    SkipStreakLimit,
+    SpikeSkip,
+    get_registry,
     hookimpl,
+    reset_registry,
 )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_registry() -> Iterator[None]:
+    """Each test's scalers use the process registry (as every scaler does), fresh for the test.
+
+    The plugins a case registers in-process live on it; it is forgotten after
+    the test, so none outlives its case.
+    """
+    reset_registry()
+    try:
+        yield
+    finally:
+        reset_registry()
+
 
 # --------------------------------------------------------------------------------------------
 # the world a case acts on
@@ -84,8 +107,8 @@ def make_world(
     """
     assert stage in _STAGES
     torch.manual_seed(0)
-    reg = registry if registry is not None else Registry()
-    kwargs = {"growth_interval": 3, "backend": "local", "registry": reg, **(scaler_kwargs or {})}
+    reg = registry if registry is not None else get_registry()
+    kwargs = {"growth_interval": 3, "backend": "local", **(scaler_kwargs or {})}
     scaler = ShardedGradScaler("cpu", **kwargs)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     params: list[torch.Tensor] = [*model.parameters(), *extra_params]
@@ -270,7 +293,7 @@ class _NamelessPlugin:
 
 def _with_plugins(*plugins: tuple[object, str]) -> Callable[[], World]:
     def setup() -> World:
-        reg = Registry()
+        reg = get_registry()
         for plugin, name in plugins:
             reg.register(plugin, name=name)
         return make_world("scaled", registry=reg)
@@ -431,7 +454,7 @@ def _w_then(legal: Callable[[World], object], stage: str = "scaled") -> Callable
 
 def _scaler_ctor(**kwargs: Any) -> Callable[[World], object]:
     def act(w: World) -> object:
-        return ShardedGradScaler("cpu", registry=w.registry, **{"backend": "local", **kwargs})
+        return ShardedGradScaler("cpu", **{"backend": "local", **kwargs})
 
     return act
 
@@ -748,7 +771,7 @@ CASES: list[Case] = [
     ),
     Case(
         "state-dict-min-above-max",
-        _w("updated", scaler_kwargs={"max_scale": 4096.0}),
+        _w("updated", scaler_kwargs={"loss_scaling": ScaleBounds(max_scale=4096.0)}),
         lambda w: w.scaler.load_state_dict(_good_state(min_scale=8192.0)),
         ValueError,
         r"min_scale \(8192\.0\).*max_scale \(4096\.0\)",
@@ -798,7 +821,7 @@ CASES: list[Case] = [
     Case(
         "ctor-hysteresis",
         _w("updated"),
-        _scaler_ctor(hysteresis=0),
+        lambda w: ScaleBounds(hysteresis=0),
         ValueError,
         r"hysteresis.*got 0",
         r"int >= 1",
@@ -806,7 +829,7 @@ CASES: list[Case] = [
     Case(
         "ctor-min-above-max",
         _w("updated"),
-        _scaler_ctor(min_scale=8.0, max_scale=4.0),
+        lambda w: ScaleBounds(min_scale=8.0, max_scale=4.0),
         ValueError,
         r"min_scale \(8\.0\)",
         r"must not exceed max_scale",
@@ -814,7 +837,7 @@ CASES: list[Case] = [
     Case(
         "ctor-distinct-dims-string",
         _w("updated"),
-        _scaler_ctor(distinct_dims="pp"),
+        lambda w: Layout(distinct_dims="pp"),  # type: ignore[arg-type]
         TypeError,
         r"distinct_dims.*'pp'",
         r"\('pp',\)",
@@ -822,7 +845,7 @@ CASES: list[Case] = [
     Case(
         "ctor-distinct-params-one-tensor",
         _w("updated"),
-        lambda w: _scaler_ctor(distinct_params=w.params[0])(w),
+        lambda w: Layout(distinct_params=w.params[0]),  # type: ignore[arg-type]
         TypeError,
         r"distinct_params takes an iterable",
         r"wrap a single parameter in a list",
@@ -830,10 +853,106 @@ CASES: list[Case] = [
     Case(
         "ctor-distinct-params-not-tensors",
         _w("updated"),
-        _scaler_ctor(distinct_params=["w1"]),
+        lambda w: Layout(distinct_params=["w1"]),  # type: ignore[arg-type]
         TypeError,
         r"distinct_params takes parameters",
         r"list\(module\.parameters\(\)\)",
+    ),
+    # The keywords that moved into option objects (issue 27): each names its replacement.
+    *(
+        Case(
+            f"ctor-moved-{name}",
+            _w("updated"),
+            _scaler_ctor(**{name: value}),
+            TypeError,
+            problem,
+            fix,
+        )
+        for name, value, problem, fix in [
+            ("hysteresis", 2, r"hysteresis= moved", r"loss_scaling=ScaleBounds\(hysteresis=2\)"),
+            ("min_scale", 8.0, r"min_scale= moved", r"loss_scaling=ScaleBounds\(min_scale=8\.0\)"),
+            ("max_scale", 8.0, r"max_scale= moved", r"loss_scaling=ScaleBounds\(max_scale=8\.0\)"),
+            (
+                "distinct_dims",
+                ("pp",),
+                r"distinct_dims= moved",
+                r"layout=Layout\(distinct_dims=\('pp',\)\)",
+            ),
+            ("distinct_params", [], r"distinct_params= moved", r"layout=Layout\(distinct_params="),
+            ("spike", SpikeSkip(z=3.0), r"spike= moved", r"policies=\[SpikeSkip\(.*z=3\.0"),
+            ("check_loss", True, r"check_loss= moved", r"policies=\[LossCheck\(\)\]"),
+            (
+                "max_consecutive_skips",
+                5,
+                r"max_consecutive_skips= moved",
+                r"policies=\[SkipStreakLimit\(max_skips=5\)\]",
+            ),
+            ("registry", None, r"registry= was removed", r"get_registry\(\)\.register\("),
+        ]
+    ),
+    Case(
+        "ctor-policies-duplicate-kind",
+        _w("updated"),
+        _scaler_ctor(policies=[SpikeSkip(), SpikeSkip(z=3.0)]),
+        ValueError,
+        r"two SpikeSkip policies",
+        r"at most one of each kind",
+    ),
+    Case(
+        "ctor-policies-one-object",
+        _w("updated"),
+        _scaler_ctor(policies=LossCheck()),
+        TypeError,
+        r"got a single LossCheck",
+        r"policies=\[LossCheck\(\)\]",
+    ),
+    Case(
+        "ctor-policies-not-a-policy",
+        _w("updated"),
+        _scaler_ctor(policies=[True]),
+        TypeError,
+        r"policies holds a bool",
+        r"SpikeSkip\(\.\.\.\), LossCheck\(\), SkipStreakLimit",
+    ),
+    Case(
+        "ctor-layout-not-a-layout",
+        _w("updated"),
+        _scaler_ctor(layout=("pp",)),
+        TypeError,
+        r"layout takes a Layout",
+        r"Layout\(distinct_dims=",
+    ),
+    Case(
+        "ctor-loss-scaling-not-an-option",
+        _w("updated"),
+        _scaler_ctor(loss_scaling="fp16"),
+        TypeError,
+        r"loss_scaling must be.*'fp16'",
+        r"ScaleBounds\(",
+    ),
+    Case(
+        "streak-limit-zero",
+        _w("updated"),
+        lambda w: SkipStreakLimit(max_skips=0),
+        ValueError,
+        r"max_skips=0",
+        r"\[1, 1000000\].*leave SkipStreakLimit out",
+    ),
+    Case(
+        "spike-warmup-unbounded",
+        _w("updated"),
+        lambda w: SpikeSkip(warmup=10**7),
+        ValueError,
+        r"warmup=10000000",
+        r"\[2, 65536\]",
+    ),
+    Case(
+        "spike-window-unbounded",
+        _w("updated"),
+        lambda w: SpikeSkip(window=2**17),
+        ValueError,
+        r"window=131072",
+        r"\[2, 65536\]",
     ),
     Case(
         "ctor-backend-not-a-backend",
@@ -1068,7 +1187,7 @@ CASES: list[Case] = [
     Case(
         "scaler-distinct-dims-not-names",
         _w("fresh"),
-        lambda w: ShardedGradScaler("cpu", distinct_dims=("pp", 1)),
+        lambda w: ShardedGradScaler("cpu", layout=Layout(distinct_dims=("pp", 1))),
         TypeError,
         r"distinct_dims .*got int 1",
         r"mesh_dim_names",

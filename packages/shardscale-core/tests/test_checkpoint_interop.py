@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as Fsdp1Scaler
 
-from shardscale.core import ShardedGradScaler
+from shardscale.core import ScaleBounds, ShardedGradScaler
 
 GROWTH_INTERVAL = 3
 INIT_SCALE = 2.0**12
@@ -147,7 +147,7 @@ def test_checkpoint_crosses_classes_and_resumes_identically(
     "options",
     [
         {},
-        {"hysteresis": 3, "min_scale": 1.0, "max_scale": 2.0**20},
+        {"loss_scaling": ScaleBounds(hysteresis=3, min_scale=1.0, max_scale=2.0**20)},
         {"enabled": False},
     ],
     ids=["default", "hysteresis-and-bounds", "disabled"],
@@ -167,7 +167,7 @@ def test_state_dict_holds_only_plain_numbers(options: dict[str, Any], tmp_path: 
     if not options.get("enabled", True):
         assert state == {}
         return
-    if "hysteresis" in options:
+    if "loss_scaling" in options:
         assert {"hysteresis", "_hysteresis_tracker", "min_scale", "max_scale"} <= state.keys()
     fresh = ShardedGradScaler("cpu", backend="local", **options)
     fresh.load_state_dict(loaded)
@@ -185,7 +185,9 @@ def test_state_dict_holds_only_plain_numbers(options: dict[str, Any], tmp_path: 
 
 def test_our_extra_keys_load_into_torch() -> None:
     """Hysteresis and bounds add keys; torch's scaler ignores them and takes the rest."""
-    ours = ShardedGradScaler("cpu", backend="local", hysteresis=2, max_scale=2.0**30)
+    ours = ShardedGradScaler(
+        "cpu", backend="local", loss_scaling=ScaleBounds(hysteresis=2, max_scale=2.0**30)
+    )
     model, opt = _model()
     _train(ours, model, opt, range(SPLIT))
     theirs = torch.amp.GradScaler("cpu")

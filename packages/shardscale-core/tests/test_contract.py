@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardscale.core import ShardedGradScaler
+from shardscale.core import Layout, ShardedGradScaler
 
 HAVE_CLIP = importlib.util.find_spec("shardscale.clip") is not None
 HAVE_CLI = importlib.util.find_spec("shardscale.cli") is not None
@@ -223,7 +223,7 @@ def test_declared_params_of_another_optimizer_are_not_strangers() -> None:
 
     a, b = _two_optimizers()
     opt_a, opt_b = torch.optim.SGD(a, lr=0.1), torch.optim.SGD(b, lr=0.1)
-    scaler = ShardedGradScaler("cpu", backend="local", distinct_params=b[:1])
+    scaler = ShardedGradScaler("cpu", backend="local", layout=Layout(distinct_params=b[:1]))
     for _ in range(2):  # the first iteration, before opt_b was ever seen, and the second
         _backward(scaler, a + b)
         for opt in (opt_a, opt_b):
@@ -235,7 +235,7 @@ def test_declared_params_of_another_optimizer_are_not_strangers() -> None:
         opt_b.zero_grad()
     # A third optimizer's stranger: refused once the scaler has seen a whole iteration.
     c = [torch.nn.Parameter(torch.randn(6))]
-    other = ShardedGradScaler("cpu", backend="local", distinct_params=c)
+    other = ShardedGradScaler("cpu", backend="local", layout=Layout(distinct_params=c))
     opt_c = torch.optim.SGD(c, lr=0.1)
     _backward(other, a + c)
     other.unscale_(opt_a, max_norm=math.inf)  # c holds a gradient: maybe another optimizer's
@@ -259,7 +259,7 @@ def test_declared_params_without_a_gradient_outside_every_optimizer_are_refused_
     a, _ = _two_optimizers()
     stale = [torch.nn.Parameter(p.detach().clone()) for p in a]  # as before fully_shard
     opt = torch.optim.SGD(a, lr=0.1)
-    scaler = ShardedGradScaler("cpu", backend="local", distinct_params=stale)
+    scaler = ShardedGradScaler("cpu", backend="local", layout=Layout(distinct_params=stale))
     _backward(scaler, a)
     with pytest.raises(DeclarationError, match="would be ignored"):
         scaler.unscale_(opt, max_norm=1.0)

@@ -3,7 +3,9 @@
 Installed distributions that misbehave are tested in
 ``integration_tests/test_plugin_isolation.py``; these cases cover the same rules
 for plugins registered in-process, where a failure at registration is refused
-outright and a failure during a step is recorded and set aside.
+outright and a failure during a step is recorded and set aside. The plugins go
+on the process registry, which every scaler uses: fresh for each test, and each
+plugin unregistered in ``finally``.
 """
 
 from __future__ import annotations
@@ -30,22 +32,30 @@ from shardscale.core import (
     Registry,
     ShardedGradScaler,
     ShardscaleError,
+    get_registry,
     hookimpl,
+    reset_registry,
 )
 
 
 @pytest.fixture
-def registry(monkeypatch: pytest.MonkeyPatch) -> Registry:
+def registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[Registry]:
+    """The process registry (what a scaler uses), fresh for this test and forgotten after it."""
     monkeypatch.delenv(DISABLE_ENV, raising=False)
     monkeypatch.delenv(BACKEND_ENV, raising=False)
-    return Registry()
+    reset_registry()
+    try:
+        yield get_registry()
+    finally:
+        reset_registry()
 
 
 def _two_steps(registry: Registry) -> tuple[list[float], list[float], float]:
     """A finite step, then an inf step, through a scaler on ``registry`` (init_scale 16)."""
+    assert registry is get_registry()  # the one the scaler uses
     param = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([param], lr=1.0)
-    scaler = ShardedGradScaler("cpu", backend="local", init_scale=16.0, registry=registry)
+    scaler = ShardedGradScaler("cpu", backend="local", init_scale=16.0)
     seen = []
     for grad in (torch.full((3,), 16.0), torch.tensor([16.0, float("inf"), 16.0])):
         opt.zero_grad()

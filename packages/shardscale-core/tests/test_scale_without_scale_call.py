@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardscale.core import ShardedGradScaler
+from shardscale.core import Layout, ShardedGradScaler
 
 KW = {"init_scale": 2.0**8, "growth_interval": 2, "backend": "local"}
 
@@ -109,7 +109,7 @@ def test_update_without_any_step_still_refuses() -> None:
 def test_distinct_params_follow_a_copy_of_model_and_scaler() -> None:
     """A deep copy of (model, scaler) declares the copied parameters, not the originals."""
     model, _ = _stages()
-    scaler = ShardedGradScaler("cpu", distinct_params=iter([model.weight]), **KW)
+    scaler = ShardedGradScaler("cpu", layout=Layout(distinct_params=iter([model.weight])), **KW)
     assert scaler.step_config.distinct_params == {id(model.weight)}
     model2, scaler2 = copy.deepcopy((model, scaler))
     assert scaler2.step_config.distinct_params == {id(model2.weight)}

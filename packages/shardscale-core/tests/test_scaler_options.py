@@ -1,4 +1,4 @@
-"""Options beyond torch: hysteresis, scale bounds and the per-step record hook."""
+"""Options beyond torch: the option objects, hysteresis, scale bounds and the per-step record hook."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shardscale.core import ShardedGradScaler
+from shardscale.core import ScaleBounds, ShardedGradScaler
 from shardscale.core.testing import recording_steps
 
 
@@ -66,7 +66,11 @@ def test_hysteresis_backs_off_only_after_consecutive_overflows(hysteresis: int) 
     overflow = {2, 3, 4, 8, 11, 12}
     kw = {"init_scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3}
     got = _drive(
-        ShardedGradScaler("cpu", backend="local", hysteresis=hysteresis, **kw), overflow, 16
+        ShardedGradScaler(
+            "cpu", backend="local", loss_scaling=ScaleBounds(hysteresis=hysteresis), **kw
+        ),
+        overflow,
+        16,
     )
     want = _expected(
         overflow, 16, init=1024.0, growth=2.0, backoff=0.5, interval=3, hysteresis=hysteresis
@@ -78,7 +82,9 @@ def test_hysteresis_one_with_bounds_matches_torch_inside_the_bounds() -> None:
     overflow = {0, 1, 2, 3, 4, 5}
     kw = {"init_scale": 64.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 1}
     got = _drive(
-        ShardedGradScaler("cpu", backend="local", min_scale=8.0, max_scale=256.0, **kw),
+        ShardedGradScaler(
+            "cpu", backend="local", loss_scaling=ScaleBounds(min_scale=8.0, max_scale=256.0), **kw
+        ),
         overflow,
         14,
     )
@@ -96,12 +102,14 @@ def test_defaults_produce_torch_keys_only() -> None:
 
 
 def test_options_survive_a_state_dict_round_trip() -> None:
-    a = ShardedGradScaler("cpu", backend="local", hysteresis=3, min_scale=2.0, max_scale=1e6)
+    bounds = ScaleBounds(hysteresis=3, min_scale=2.0, max_scale=1e6)
+    a = ShardedGradScaler("cpu", backend="local", loss_scaling=bounds)
     _drive(a, {1}, 3)
     b = ShardedGradScaler("cpu", backend="local")
     b.load_state_dict(a.state_dict())
     assert b.state_dict() == a.state_dict()
     assert b.get_hysteresis() == 3
+    assert b.scale_bounds == bounds  # the checkpoint's bounds replaced the defaults
 
 
 def test_step_records_reach_plugins_after_update() -> None:

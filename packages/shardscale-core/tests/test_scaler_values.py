@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardscale.core import ScalerStateError, ShardedGradScaler
+from shardscale.core import ScaleBounds, ScalerStateError, ShardedGradScaler
 
 F32 = torch.finfo(torch.float32)
 TINY = float(F32.tiny)  # smallest positive *normal* float32: 2**-126
@@ -53,6 +53,10 @@ def _f32(x: float) -> float:
 
 
 def _scaler(**kwargs: Any) -> ShardedGradScaler:
+    """A scaler; ``hysteresis``/``min_scale``/``max_scale`` go into ``loss_scaling=ScaleBounds(...)``."""
+    bounds = {k: kwargs.pop(k) for k in ("hysteresis", "min_scale", "max_scale") if k in kwargs}
+    if bounds:
+        kwargs["loss_scaling"] = ScaleBounds(**bounds)
     return ShardedGradScaler("cpu", backend="local", **kwargs)
 
 

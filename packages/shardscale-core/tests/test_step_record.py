@@ -6,14 +6,16 @@ import math
 
 import torch
 
-from shardscale.core import ShardedGradScaler
+from shardscale.core import ScaleBounds, ShardedGradScaler
 from shardscale.core.testing import recording_steps
 
 
 def test_hysteresis_tracker_and_nonfinite_counts_of_two_optimizers() -> None:
     a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
     opt_a, opt_b = torch.optim.SGD([a], lr=0.0), torch.optim.SGD([b], lr=0.0)
-    scaler = ShardedGradScaler("cpu", backend="local", init_scale=8.0, hysteresis=2)
+    scaler = ShardedGradScaler(
+        "cpu", backend="local", init_scale=8.0, loss_scaling=ScaleBounds(hysteresis=2)
+    )
     with recording_steps() as recorder:
         for step in range(4):
             opt_a.zero_grad()

@@ -19,11 +19,15 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from shardscale.core import (
     DeviceLRSchedule,
+    Layout,
     LinearSchedule,
+    LossCheck,
+    ScaleBounds,
     ScalerStateError,
     ShardedGradScaler,
     SkipReason,
     SkipStreakError,
+    SkipStreakLimit,
     SpikeSkip,
     StepRecord,
     update_averaged_model,
@@ -104,7 +108,7 @@ def test_without_loss_scaling_the_scale_is_one_and_a_nan_skips_like_an_overflow(
     [
         ({"init_scale": 1024.0}, "init_scale=1024.0"),
         ({"growth_interval": 10}, "growth_interval=10"),
-        ({"hysteresis": 2, "max_scale": 8.0}, "hysteresis=2, max_scale=8.0"),
+        ({"growth_factor": 4.0, "backoff_factor": 0.25}, "growth_factor=4.0, backoff_factor=0.25"),
     ],
 )
 def test_scaling_options_contradicting_a_fixed_scale_are_refused(
@@ -114,7 +118,7 @@ def test_scaling_options_contradicting_a_fixed_scale_are_refused(
         ShardedGradScaler("cpu", loss_scaling=False, **kwargs)
     assert named in str(info.value)
     ShardedGradScaler("cpu", loss_scaling=False, init_scale=1.0)  # the fixed scale itself is fine
-    with pytest.raises(TypeError, match="loss_scaling must be True"):
+    with pytest.raises(TypeError, match=r"loss_scaling must be True.*ScaleBounds"):
         ShardedGradScaler("cpu", loss_scaling="no")  # type: ignore[arg-type]
 
 
@@ -149,10 +153,10 @@ def test_spike_skip_defaults_and_refusals() -> None:
         SpikeSkip(ratio=0.5)
     with pytest.raises(ValueError, match="max_norm_abs"):
         SpikeSkip(max_norm_abs=-1.0)
-    with pytest.raises(TypeError, match="spike takes a SpikeSkip"):
-        ShardedGradScaler("cpu", spike=6.0)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="max_consecutive_skips"):
-        ShardedGradScaler("cpu", max_consecutive_skips=0)
+    with pytest.raises(TypeError, match="policies holds a float"):
+        ShardedGradScaler("cpu", policies=[6.0])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"max_skips=0.*\[1, 1000000\]"):
+        ShardedGradScaler("cpu", policies=[SkipStreakLimit(max_skips=0)])
 
 
 SPIKES = {5: 50.0, 9: 1e3, 10: 40.0}  # step -> gradient factor
@@ -174,7 +178,7 @@ def test_spike_decisions_and_weights_equal_a_reference_that_steps_on_taken_steps
     ours, ref = _params(), _params()
     opt = torch.optim.SGD(ours, lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref, lr=0.05, momentum=0.9)
-    scaler = ShardedGradScaler("cpu", init_scale=2.0**8, spike=SpikeSkip(**policy))
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**8, policies=[SpikeSkip(**policy)])
     accepted: list[float] = []
     expected, got, norms = [], [], []
     for step in range(14):
@@ -272,7 +276,7 @@ def test_a_spike_counts_for_growth_as_a_clean_step() -> None:
     (p,) = _params()[:1]
     opt = torch.optim.SGD([p], lr=0.0)
     scaler = ShardedGradScaler(
-        "cpu", init_scale=4.0, growth_interval=3, spike=SpikeSkip(max_norm_abs=10.0, z=None)
+        "cpu", init_scale=4.0, growth_interval=3, policies=[SpikeSkip(max_norm_abs=10.0, z=None)]
     )
     skipped = []
     for step in range(3):
@@ -291,7 +295,7 @@ def test_a_spike_counts_for_growth_as_a_clean_step() -> None:
 def test_a_non_finite_loss_with_finite_gradients_skips_only_when_checked(check_loss: bool) -> None:
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = ShardedGradScaler("cpu", check_loss=check_loss)
+    scaler = ShardedGradScaler("cpu", policies=[LossCheck()] if check_loss else [])
     before = [p.detach().clone() for p in model.parameters()]
     # The inf term does not depend on the parameters: its gradient is zero, the loss inf.
     loss = model(torch.ones(2, 3)).sum() + torch.tensor(math.inf)
@@ -314,7 +318,9 @@ def test_a_non_finite_loss_with_finite_gradients_skips_only_when_checked(check_l
 def test_reasons_follow_their_precedence() -> None:
     (p,) = _params()[:1]
     opt = torch.optim.SGD([p], lr=0.0)
-    scaler = ShardedGradScaler("cpu", loss_scaling=False, spike=SpikeSkip(max_norm_abs=1.0, z=None))
+    scaler = ShardedGradScaler(
+        "cpu", loss_scaling=False, policies=[SpikeSkip(max_norm_abs=1.0, z=None)]
+    )
     cases = [  # (gradient value, loss) -> the expected reason
         (10.0, 1.0, SkipReason.SPIKE),
         (10.0, math.nan, SkipReason.LOSS),  # a loss beats a spike
@@ -337,7 +343,9 @@ def test_a_streak_of_skips_raises_at_the_update_that_reaches_the_limit() -> None
     (p,) = _params()[:1]
     opt = torch.optim.SGD([p], lr=0.1)
     scaler = ShardedGradScaler(
-        "cpu", loss_scaling=False, max_consecutive_skips=3, spike=SpikeSkip(max_norm_abs=5.0)
+        "cpu",
+        loss_scaling=False,
+        policies=[SkipStreakLimit(max_skips=3), SpikeSkip(max_norm_abs=5.0)],
     )
     bad = {1: math.nan, 2: 50.0, 4: math.inf, 5: 50.0}  # steps 1-2 and 4-5: streaks of 2
     bad.update({6: math.nan})  # 4, 5, 6: the third in a row
@@ -374,13 +382,13 @@ def _train(scaler: ShardedGradScaler, steps: range) -> list[bool]:
 
 def test_the_window_after_resume_equals_the_uninterrupted_runs() -> None:
     policy = SpikeSkip(window=4, warmup=3, z=3.0)
-    whole = ShardedGradScaler("cpu", loss_scaling=False, spike=policy)
+    whole = ShardedGradScaler("cpu", loss_scaling=False, policies=[policy])
     uninterrupted = _train(whole, range(12))
-    head = ShardedGradScaler("cpu", loss_scaling=False, spike=policy)
+    head = ShardedGradScaler("cpu", loss_scaling=False, policies=[policy])
     first = _train(head, range(7))
     saved = head.state_dict()
     # torch.save/torch.load(weights_only=True) and a pickle of the scaler both keep it.
-    resumed = ShardedGradScaler("cpu", loss_scaling=False, spike=policy)
+    resumed = ShardedGradScaler("cpu", loss_scaling=False, policies=[policy])
     resumed.load_state_dict(saved)  # before any step: the window waits on the host
     copied = pickle.loads(pickle.dumps(head))
     assert first + _train(resumed, range(7, 12)) == uninterrupted
@@ -391,7 +399,7 @@ def test_the_window_after_resume_equals_the_uninterrupted_runs() -> None:
 
 
 def test_a_bad_window_in_a_checkpoint_changes_nothing() -> None:
-    scaler = ShardedGradScaler("cpu", spike=SpikeSkip(window=4, warmup=2))
+    scaler = ShardedGradScaler("cpu", policies=[SpikeSkip(window=4, warmup=2)])
     _train(scaler, range(3))
     before = scaler.state_dict()
     for bad in ({"spike_window": [1.0, math.nan]}, {"spike_window": [1.0], "spike_accepted": 0}):
@@ -421,7 +429,7 @@ def test_update_with_new_scale_publishes_a_fresh_verdict() -> None:
 def test_step_records_carry_the_reason() -> None:
     (p,) = _params()[:1]
     opt = torch.optim.SGD([p], lr=0.1)
-    scaler = ShardedGradScaler("cpu", spike=SpikeSkip(max_norm_abs=5.0, z=None))
+    scaler = ShardedGradScaler("cpu", policies=[SpikeSkip(max_norm_abs=5.0, z=None)])
     records: list[StepRecord]
     with recording_steps() as rec:
         for value in (0.1, 50.0, math.inf):
@@ -437,7 +445,7 @@ def test_step_records_carry_the_reason() -> None:
 def test_several_optimizers_under_spike_are_refused_before_the_second_step() -> None:
     a, b = _params()
     opts = [torch.optim.SGD([a], lr=0.1), torch.optim.SGD([b], lr=0.1)]
-    scaler = ShardedGradScaler("cpu", spike=SpikeSkip())
+    scaler = ShardedGradScaler("cpu", policies=[SpikeSkip()])
     a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
     scaler.step(opts[0])
     before = b.detach().clone()
@@ -456,7 +464,7 @@ def test_lr_and_ema_after_spike_skips_equal_a_reference_advanced_on_taken_steps(
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), fused=True)
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=0.01)
     scaler = ShardedGradScaler(
-        "cpu", loss_scaling=False, spike=SpikeSkip(max_norm_abs=20.0, z=None), check_loss=True
+        "cpu", loss_scaling=False, policies=[SpikeSkip(max_norm_abs=20.0, z=None), LossCheck()]
     )
     sched = DeviceLRSchedule(
         opt, LinearSchedule(steps=10, start_factor=1.0, end_factor=0.1), scaler=scaler
@@ -499,6 +507,9 @@ def test_a_scaler_pickled_before_the_verdict_unpickles_as_torchs() -> None:
     state = scaler.__getstate__()
     for name in ("_loss_scaling", "_check_loss", "_spike", "_spike_window", "_streak"):
         del state[name]  # what an older version pickled
+    for name in ("_policies", "_declared", "_layout"):
+        del state[name]  # and what one before the option objects pickled instead
+    state.update(_distinct_refs=(), _registry=None)
     old = ShardedGradScaler.__new__(ShardedGradScaler)
     old.__setstate__(state)
     (p,) = _params()[:1]
@@ -506,4 +517,5 @@ def test_a_scaler_pickled_before_the_verdict_unpickles_as_torchs() -> None:
     old.step(torch.optim.SGD([p], lr=0.1))
     old.update()
     assert int(old.last_skip_reason) == SkipReason.OVERFLOW  # type: ignore[arg-type]
-    assert old.get_scale() == 4.0 and old.loss_scaling and old.spike is None
+    assert old.get_scale() == 4.0 and old.loss_scaling and old.policies == ()
+    assert old.layout == Layout() and old.scale_bounds == ScaleBounds()

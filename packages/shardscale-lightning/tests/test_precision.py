@@ -22,7 +22,7 @@ from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from packaging.requirements import Requirement
 
-from shardscale.core import Registry, ShardedGradScaler
+from shardscale.core import ShardedGradScaler, get_registry
 from shardscale.core.testing import HostReadRecorder, RecordingKernels
 from shardscale.lightning import ShardscalePrecision, hold_on_skipped_steps, is_held
 
@@ -87,11 +87,11 @@ def test_bad_arguments_name_the_problem() -> None:
 
 
 def test_loss_scaling_false_is_the_one_option_of_the_guard_without_scaling() -> None:
-    from shardscale.core import SpikeSkip
+    from shardscale.core import LossCheck, SkipStreakLimit, SpikeSkip
 
     # A precision that does not scale takes scaler options only with loss_scaling=False ...
-    with pytest.raises(ValueError, match=r"\[.spike.\]\) need loss_scaling=False"):
-        ShardscalePrecision("bf16-mixed", spike=SpikeSkip())
+    with pytest.raises(ValueError, match=r"\[.policies.\]\) need loss_scaling=False"):
+        ShardscalePrecision("bf16-mixed", policies=[SpikeSkip()])
     with pytest.raises(ValueError, match="need loss_scaling=False"):
         ShardscalePrecision("32-true", loss_scaling=True)
     with pytest.raises(ValueError, match="must be built with loss_scaling=False"):
@@ -100,18 +100,22 @@ def test_loss_scaling_false_is_the_one_option_of_the_guard_without_scaling() -> 
     spike = SpikeSkip(z=4.0)
     for precision in ("bf16-mixed", "32-true", "16-true", "bf16-true"):
         plugin = ShardscalePrecision(
-            precision, device="cpu", loss_scaling=False, spike=spike, max_consecutive_skips=3
-        )  # type: ignore[arg-type]
+            precision,  # type: ignore[arg-type]
+            device="cpu",
+            loss_scaling=False,
+            policies=[spike, SkipStreakLimit(max_skips=3)],
+        )
         scaler = plugin.scaler
         assert scaler is not None and not scaler.loss_scaling and scaler.get_scale() == 1.0
-        assert scaler.spike is spike and scaler.max_consecutive_skips == 3
+        assert scaler.policies == (spike, SkipStreakLimit(max_skips=3))
+        assert scaler.policies[0] is spike
     ready = ShardedGradScaler("cpu", loss_scaling=False)
     assert ShardscalePrecision("bf16-mixed", scaler=ready).scaler is ready
     # Without the option nothing changes: no scaler for a precision that does not scale.
     assert ShardscalePrecision("bf16-mixed").scaler is None
     # 16-mixed passes the policies through to its loss-scaling scaler.
-    fp16 = ShardscalePrecision("16-mixed", device="cpu", spike=spike, check_loss=True).scaler
-    assert fp16 is not None and fp16.loss_scaling and fp16.spike is spike
+    fp16 = ShardscalePrecision("16-mixed", device="cpu", policies=[spike, LossCheck()]).scaler
+    assert fp16 is not None and fp16.loss_scaling and fp16.policies == (spike, LossCheck())
 
 
 # -- the scheduler hold -----------------------------------------------------------------------
@@ -474,17 +478,21 @@ def test_every_clip_path_uses_the_scalers_kernels(how: str, kernels: str | None)
     # (the scaler's own unscale records "unscale"). A clip that dropped the scaler's kernels
     # would read the norm with the built-in ones.
     recorder = RecordingKernels()
-    registry = Registry()
-    registry.register(recorder, name="recording-kernels")
-    scaler = ShardedGradScaler("cpu", init_scale=256.0, kernels=kernels, registry=registry)
-    plugin = ShardscalePrecision("16-mixed", device="cpu", scaler=scaler)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, plugins=[plugin], max_steps=2, logger=False,
-        gradient_clip_val=0.01 if how == "trainer" else None,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
-    trainer.fit(_Clipping(how), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), 4))
+    # On the process registry, which every scaler uses; unregistered whatever happens.
+    name = get_registry().register(recorder, name="recording-kernels")
+    try:
+        scaler = ShardedGradScaler("cpu", init_scale=256.0, kernels=kernels)
+        plugin = ShardscalePrecision("16-mixed", device="cpu", scaler=scaler)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, plugins=[plugin], max_steps=2, logger=False,
+            gradient_clip_val=0.01 if how == "trainer" else None,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), 4)
+        trainer.fit(_Clipping(how), data)
+    finally:
+        get_registry().unregister(name)
     assert plugin.grad_norm is not None  # it clipped
     if kernels is None:
         assert recorder.calls == []  # never chosen by itself

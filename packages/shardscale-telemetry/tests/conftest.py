@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shardscale import telemetry
-from shardscale.core import ShardedGradScaler, reset_registry
+from shardscale.core import ScaleBounds, ShardedGradScaler, reset_registry
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +50,10 @@ def train(
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = ShardedGradScaler(
-        "cpu", init_scale=init_scale, growth_interval=growth_interval, hysteresis=hysteresis
+        "cpu",
+        init_scale=init_scale,
+        growth_interval=growth_interval,
+        loss_scaling=ScaleBounds(hysteresis=hysteresis),
     )
     truth = Truth()
     for step in range(steps):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from shardscale import telemetry
-from shardscale.core import ShardedGradScaler, SkipReason, SpikeSkip
+from shardscale.core import LossCheck, ShardedGradScaler, SkipReason, SpikeSkip
 from shardscale.core.testing import HostReadRecorder
 from shardscale.telemetry import JsonlObserver
 
@@ -45,8 +45,7 @@ def _policy_loop(steps: int, *, fused: bool = False) -> list[float]:
     scaler = ShardedGradScaler(
         "cpu",
         loss_scaling=False,
-        spike=SpikeSkip(max_norm_abs=SPIKE_ABS, z=None),
-        check_loss=True,
+        policies=[SpikeSkip(max_norm_abs=SPIKE_ABS, z=None), LossCheck()],
         backend="local",
     )
     norms = []

@@ -47,7 +47,7 @@ STAGES = {
     "update": 6,
 }
 DEFAULT_CEILING = sum(STAGES.values())
-#: What ``spike=SpikeSkip()`` adds: the tested norm in float64 (to), the threshold from one
+#: What ``policies=[SpikeSkip()]`` adds: the tested norm in float64 (to), the threshold from one
 #: var_mean over the ring (clamp the count, var_mean, two takes of the per-count
 #: coefficients, the mean, two addcmul and a clamp for the spread, sqrt, one addcmul), its
 #: flag (gt, weighed in the reason's amax), and the window fed after the verdict (remainder,
@@ -113,8 +113,8 @@ def test_a_warm_step_stays_within_its_op_budget() -> None:
 
     theirs = _warm_step_ops(_torch)
     ours = _warm_step_ops(_ours())
-    spike = _warm_step_ops(_ours(spike=SpikeSkip()))
-    counts = f"torch {theirs}, ours {ours}, ours with spike= {spike}"
+    spike = _warm_step_ops(_ours(policies=[SpikeSkip()]))
+    counts = f"torch {theirs}, ours {ours}, ours with SpikeSkip() {spike}"
     assert theirs > 0 and ours > 0, counts  # the counter saw both steps
     assert ours <= DEFAULT_CEILING, counts
     assert ours <= RATIO_CEILING * theirs, counts

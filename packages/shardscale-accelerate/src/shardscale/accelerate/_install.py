@@ -239,10 +239,10 @@ def use_shardscale(
             for ``mixed_precision="fp16"`` or with ``loss_scaling=False``, built
             from the ``GradScalerKwargs`` handler and ``scaler_options``.
         scaler_options: keyword arguments of ``ShardedGradScaler``
-            (``init_scale``, ``growth_interval``, ``backend``, ``enabled``, ...),
-            including the skip policies: ``spike=SpikeSkip(...)``,
-            ``check_loss=True``, ``max_consecutive_skips=N``, and
-            ``loss_scaling=False``, which with ``mixed_precision="bf16"`` or
+            (``init_scale``, ``growth_interval``, ``backend``, ``enabled``,
+            ``layout=Layout(...)``, ...), including the skip policies
+            ``policies=[SpikeSkip(...), LossCheck(), SkipStreakLimit(max_skips=N)]``,
+            and ``loss_scaling=False``, which with ``mixed_precision="bf16"`` or
             ``"no"`` turns the scaler on as the skip guard alone (scale 1: a
             step with a non-finite gradient, or a policy's reason, is skipped
             on every rank and the prepared scheduler holds).

@@ -62,6 +62,7 @@ from shardscale.core._lr_schedule import (
     WarmupSchedule,
 )
 from shardscale.core._middleware_base import MiddlewareBase
+from shardscale.core.scaler._options import Layout, LossCheck, ScaleBounds, SkipStreakLimit
 from shardscale.core.scaler._overflow import OverflowReport
 from shardscale.core._plain_adapter import PlainTensorAdapter, is_fsdp1_param
 from shardscale.core._protocols import (
@@ -110,9 +111,14 @@ __all__ = [
     "ShardedGradScaler",
     "OptState",
     "OverflowReport",
+    # its option objects (see [Note: the scaler's options])
+    "Layout",
+    "ScaleBounds",
     # why a step is skipped: the verdict's policies and reasons (docs/skipped-steps.md)
     "SkipReason",
     "SpikeSkip",
+    "LossCheck",
+    "SkipStreakLimit",
     "SkipStreakError",
     # consumers of the skip signal: schedules and averaged weights that hold on skipped steps
     "SkipSource",

@@ -160,9 +160,12 @@ class RecordingKernels(ForeachKernels):
     plugin::
 
         kernels = RecordingKernels()
-        registry = Registry()
-        registry.register(kernels, name="recording-kernels")
-        scaler = ShardedGradScaler("cpu", kernels="recording", registry=registry)
+        name = get_registry().register(kernels, name="recording-kernels")
+        try:
+            scaler = ShardedGradScaler("cpu", kernels="recording")
+            ...
+        finally:
+            get_registry().unregister(name)
     """
 
     name: ClassVar[str] = "recording"

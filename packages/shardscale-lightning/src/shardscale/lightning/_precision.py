@@ -91,7 +91,7 @@ def _check_guard_only(precision: str, scaler: object, options: dict[str, Any]) -
 
     ``loss_scaling=False`` is the one option that turns the guard on (see
     docs/lightning.md, "Skipping steps in bf16 and fp32"); with it come the
-    scaler's other policies (``spike=``, ``check_loss=``, ``max_consecutive_skips=``).
+    scaler's skip policies (``policies=[SpikeSkip(), LossCheck(), SkipStreakLimit(N)]``).
     """
     if scaler is not None:
         if not isinstance(scaler, ShardedGradScaler) or scaler.loss_scaling:
@@ -105,7 +105,7 @@ def _check_guard_only(precision: str, scaler: object, options: dict[str, Any]) -
         raise ValueError(
             f"precision={precision!r} does not scale the loss, so scaler options "
             f"({sorted(options)}) need loss_scaling=False, the skip guard without scaling: "
-            f"ShardscalePrecision({precision!r}, loss_scaling=False, spike=SpikeSkip()); or use "
+            f"ShardscalePrecision({precision!r}, loss_scaling=False, policies=[SpikeSkip()]); or use "
             "precision='16-mixed' for loss scaling"
         )
 
@@ -142,9 +142,9 @@ class ShardscalePrecision(FSDPPrecision):
         hold_schedulers: keep ``interval="step"`` schedulers from advancing on
             skipped steps.
         scaler_options: keyword arguments of ``ShardedGradScaler`` (``init_scale``,
-            ``growth_interval``, ``backend``, ...), including the skip policies
-            ``spike=SpikeSkip(...)``, ``check_loss=True`` and
-            ``max_consecutive_skips=N``. With ``"bf16-mixed"`` and the
+            ``growth_interval``, ``backend``, ``layout=Layout(...)``, ...),
+            including the skip policies ``policies=[SpikeSkip(...), LossCheck(),
+            SkipStreakLimit(max_skips=N)]``. With ``"bf16-mixed"`` and the
             ``"-true"`` precisions, ``loss_scaling=False`` turns the scaler on
             as the skip guard alone (scale 1): a step with a non-finite
             gradient (or a policy's reason) is skipped on every rank.

@@ -7,9 +7,9 @@ head), FSDP2-sharded over the ``dp`` ranks of its stage. ``Schedule1F1B``
 runs ``N`` microbatches per step. Only the last stage computes the loss, so
 only it calls ``scaler.scale``; the other stages' scalers never scale
 anything and create their scale from ``init_scale`` at their first step. The
-scaler is built with ``distinct_dims=("pp",)``, so ``unscale_and_clip_`` clips
-every stage by the norm of the whole model, in the one collective over every
-rank, and every stage skips on the same steps.
+scaler is built with ``layout=Layout(distinct_dims=("pp",))``, so
+``unscale_and_clip_`` clips every stage by the norm of the whole model, in the
+one collective over every rank, and every stage skips on the same steps.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from shardscale.cli._corpus import CharCorpus, load_corpus
 from shardscale.cli._distributed import DistContext, shard_model
 from shardscale.cli._model import ModelConfig, TinyGPT
-from shardscale.core import ShardedGradScaler, check_max_norm
+from shardscale.core import Layout, ShardedGradScaler, check_max_norm
 from shardscale.telemetry import JsonlObserver, StepRow, Telemetry, enable
 
 __all__ = [
@@ -234,12 +234,15 @@ def scaler_options(cfg: TrainConfig) -> dict[str, Any]:
         options = {"init_scale": cfg.init_scale, "growth_interval": cfg.growth_interval}
     else:
         options = {"loss_scaling": False}
-    if cfg.spike:
-        from shardscale.core import SpikeSkip
+    from shardscale.core import SkipStreakLimit, SpikeSkip
 
-        options["spike"] = SpikeSkip(z=SPIKE_Z, window=SPIKE_WINDOW, warmup=SPIKE_WARMUP)
+    policies: list[SpikeSkip | SkipStreakLimit] = []
+    if cfg.spike:
+        policies.append(SpikeSkip(z=SPIKE_Z, window=SPIKE_WINDOW, warmup=SPIKE_WARMUP))
     if cfg.max_consecutive_skips:
-        options["max_consecutive_skips"] = cfg.max_consecutive_skips
+        policies.append(SkipStreakLimit(max_skips=cfg.max_consecutive_skips))
+    if policies:
+        options["policies"] = policies
     return options
 
 
@@ -458,7 +461,7 @@ def train(
         ctx.device.type,
         backend=cfg.backend,
         # Pipeline stages hold different parameters: the norm sums them, never dedups.
-        distinct_dims=("pp",) if pipe is not None else (),
+        layout=Layout(distinct_dims=("pp",) if pipe is not None else ()),
         **scaler_options(cfg),
     )
     unscale_and_clip_ = _unscale_and_clip()

@@ -15,9 +15,11 @@ process group, so every rank decides the same way whatever layout its
 parameters have. This module keeps the state machine and the scale.
 
 [Note: options beyond torch]
-``hysteresis``, ``min_scale`` and ``max_scale`` are off by default. When any
-is set, the update runs as tensor arithmetic on the scale's device (no host
-sync) instead of torch's fused update kernel.
+torch's seven arguments stay as they are; everything else is one of six
+keyword options, the families among them frozen objects (see [Note: the
+scaler's options] in ``_options``). ``loss_scaling=ScaleBounds(...)`` (hysteresis,
+min/max scale) is off by default; with it, the update runs as tensor arithmetic
+on the scale's device (no host sync) instead of torch's fused update kernel.
 """
 
 from __future__ import annotations
@@ -34,43 +36,48 @@ from typing import TYPE_CHECKING, Any, overload
 import torch
 from torch.amp.grad_scaler import OptState
 
-from shardscale.core.step._clip import clip_parameters_
-from shardscale.core.step._contract import (
-    check_distinct_dims,
-    check_kernels,
-    check_loss_scaling,
-    check_max_consecutive_skips,
-    check_max_norm,
-    check_norm_type,
-    check_spike,
-    distinct_param_ids,
-    kernels_name,
-)
 from shardscale.core._errors import DeclarationError
-from shardscale.core.step._collect import optimizer_params
+from shardscale.core._protocols import AdapterContext, CollectiveBackend, StepRecord
+from shardscale.core._registry import Registry, get_registry
 from shardscale.core.scaler._optimizer_fusion import (
     FIRST_MOMENTUM_STEP,
     fused_kernel_step,
     fusion_refusal,
     runs_on_local_shards,
 )
+from shardscale.core.scaler._options import (
+    Layout,
+    LossCheck,
+    ScaleBounds,
+    SkipPolicy,
+    SkipStreakLimit,
+    check_loss_scaling_option,
+    declared,
+    refuse_moved_keywords,
+    split_policies,
+)
 from shardscale.core.scaler._overflow import OverflowReport, build_overflow_report
-from shardscale.core._protocols import AdapterContext, CollectiveBackend, StepRecord
-from shardscale.core._registry import Registry, get_registry
 from shardscale.core.scaler._values import (
     DEFAULT_INIT_SCALE,
     FLOAT32_TINY,
     ScalerStateError,
     scale_floor,
     validate_backoff_factor,
-    validate_bounds,
     validate_fixed_scale_options,
     validate_growth_factor,
     validate_growth_interval,
-    validate_hysteresis,
     validate_init_scale,
     validate_scale,
     validate_state_dict,
+)
+from shardscale.core.step._clip import clip_parameters_
+from shardscale.core.step._collect import optimizer_params
+from shardscale.core.step._contract import (
+    check_kernels,
+    check_max_norm,
+    check_norm_type,
+    distinct_param_ids,
+    kernels_name,
 )
 from shardscale.core.step._engine import (
     Apply,
@@ -225,34 +232,31 @@ class ShardedGradScaler:
             ``"counting+coalescing+c10d"``, or a backend object. Default:
             ``$SHARDSCALE_BACKEND``, else automatic.
         kernels: name of the stats kernels to use (default: best per device).
-        hysteresis: back off only after this many consecutive overflow steps
-            (Megatron-LM / DeepSpeed style). 1 (default) is torch's behaviour.
-        min_scale, max_scale: bounds the scale never leaves (default: none).
-        distinct_dims: mesh dimension names whose coordinates hold different
-            parameters (pipeline stages); ``"*"`` marks plain tensors as distinct
-            on every rank. Used by clipping to avoid double counting.
-        distinct_params: plain-tensor parameters that this rank holds its own
-            of while the other plain parameters are replicated: the experts
-            placed on this rank in a plain-tensor expert-parallel model (each
-            rank passes its own). They count towards the norm on every rank;
-            DTensor experts need nothing here (docs/moe.md). Not part of
-            ``state_dict``; a pickled or deep-copied scaler refers to the
-            copies of these parameters only when its model is copied with it.
-        registry: the plugin registry (default: the process-wide one).
-        loss_scaling: ``False`` for bf16/fp32 training: the scale stays 1
-            (``scale(loss)`` returns the loss unchanged, ``update()`` neither
-            grows nor backs off) and a non-finite gradient on any rank still
-            skips the step on every rank. Scaling options other than the
+        layout: a :class:`~shardscale.core.Layout` declaring which parameters
+            differ across ranks: ``distinct_dims`` (mesh dimension names whose
+            coordinates hold different parameters, such as pipeline stages;
+            ``"*"``: plain tensors are distinct on every rank) and
+            ``distinct_params`` (this rank's own plain-tensor experts). Used
+            by clipping and the spike test's norm to avoid double counting.
+            Default: none (``Layout()``).
+        policies: skip policies beyond the non-finite gradient guard, at most
+            one of each kind (docs/skipped-steps.md):
+            :class:`~shardscale.core.SpikeSkip` skips steps whose global
+            gradient norm is a spike (its window of accepted norms is in
+            ``state_dict()``; one optimizer per iteration);
+            :class:`~shardscale.core.LossCheck` makes ``scale(loss)`` record
+            whether the loss is finite, a non-finite loss on any rank skipping
+            the step on every rank (see :meth:`observe_loss`);
+            :class:`~shardscale.core.SkipStreakLimit` raises
+            :class:`~shardscale.core.SkipStreakError` on every rank after that
+            many consecutive skipped steps (for any reason).
+        loss_scaling: ``True`` (default): torch's dynamic loss scaling;
+            a :class:`~shardscale.core.ScaleBounds`: dynamic scaling with
+            hysteresis and bounds; ``False`` for bf16/fp32 training: the scale
+            stays 1 (``scale(loss)`` returns the loss unchanged, ``update()``
+            neither grows nor backs off) and a non-finite gradient on any rank
+            still skips the step on every rank. Scaling options other than the
             defaults are refused then.
-        spike: a :class:`~shardscale.core.SpikeSkip` to skip steps whose global
-            gradient norm is a spike (docs/skipped-steps.md); its window of
-            accepted norms is in ``state_dict()``. One optimizer per iteration.
-        max_consecutive_skips: raise :class:`~shardscale.core.SkipStreakError`
-            on every rank once this many steps in a row were skipped (for any
-            reason); ``None`` never.
-        check_loss: ``scale(loss)`` also records whether the loss is finite;
-            a non-finite loss on any rank skips the step on every rank (see
-            :meth:`observe_loss`).
         fuse_optimizer: run an unfused torch SGD/Adam/AdamW step through
             torch's fused kernel, which takes the unscale and clip factor
             (``grad_scale``) and the skip (``found_inf``) inside its own pass:
@@ -282,10 +286,9 @@ class ShardedGradScaler:
     _min_scale: float | None
     _max_scale: float | None
     process_group: ProcessGroup | None
+    _layout: Layout
     _distinct_dims: frozenset[str]
     _distinct_params: frozenset[int]
-    _distinct_refs: tuple[torch.Tensor, ...]
-    _registry: Registry | None
     _kernels_name: str | None
     _backend_spec: str | CollectiveBackend | None
     _backend: CollectiveBackend | None
@@ -302,6 +305,8 @@ class ShardedGradScaler:
     _optimizers: weakref.WeakSet[torch.optim.Optimizer]
     _optimizers_known: bool
     _loss_scaling: bool
+    _policies: tuple[SkipPolicy, ...]
+    _declared: str
     _check_loss: bool
     _spike: SpikeSkip | None
     _spike_window: SpikeWindow | None
@@ -310,6 +315,7 @@ class ShardedGradScaler:
     _last_reason: torch.Tensor | None
     _fuse_optimizer: bool | None
 
+    @refuse_moved_keywords
     def __init__(
         self,
         device: str = "cuda",
@@ -322,41 +328,41 @@ class ShardedGradScaler:
         *,
         backend: str | CollectiveBackend | None = None,
         kernels: str | None = None,
-        hysteresis: int = 1,
-        min_scale: float | None = None,
-        max_scale: float | None = None,
-        distinct_dims: Iterable[str] = (),
-        distinct_params: Iterable[torch.Tensor] = (),
-        registry: Registry | None = None,
-        loss_scaling: bool = True,
-        spike: SpikeSkip | None = None,
-        max_consecutive_skips: int | None = None,
-        check_loss: bool = False,
+        layout: Layout | None = None,
+        policies: Iterable[SkipPolicy] = (),
+        loss_scaling: bool | ScaleBounds = True,
         fuse_optimizer: bool | None = None,
     ) -> None:
         if not isinstance(device, str):
             device = torch.device(device).type  # accept torch.device too
-        # The verdict's options (see [Note: the verdict] in _verdict), checked before anything.
-        self._loss_scaling = check_loss_scaling(loss_scaling)
-        if not self._loss_scaling:
+        # The options (see [Note: the scaler's options] in _options), checked before anything.
+        bounds = check_loss_scaling_option(loss_scaling)
+        self._loss_scaling = bounds is not None
+        if bounds is None:
             validate_fixed_scale_options(
                 init_scale=init_scale,
                 growth_factor=growth_factor,
                 backoff_factor=backoff_factor,
                 growth_interval=growth_interval,
-                hysteresis=hysteresis,
-                min_scale=min_scale,
-                max_scale=max_scale,
             )
             init_scale = 1.0
-        self._spike = check_spike(spike)
-        self._streak = SkipStreak(check_max_consecutive_skips(max_consecutive_skips))
-        if not isinstance(check_loss, bool):
-            raise TypeError(f"check_loss must be True or False, got {check_loss!r}")
-        self._check_loss = check_loss
+            bounds = ScaleBounds()
+        if layout is None:
+            layout = Layout()
+        elif not isinstance(layout, Layout):
+            raise TypeError(
+                f"layout takes a Layout(distinct_dims=..., distinct_params=...) or None, got "
+                f"{type(layout).__name__} {layout!r}"
+            )
+        split = split_policies(policies)
         bad_fuse = _bad_fuse_option(fuse_optimizer)
         if bad_fuse is not None:
             raise bad_fuse
+        self._policies = split.given
+        self._spike = split.spike
+        self._check_loss = split.loss is not None
+        self._streak = SkipStreak(split.streak.max_skips if split.streak is not None else None)
+        self._declared = declared(bounds if self._loss_scaling else None, split)
         self._fuse_optimizer = fuse_optimizer
         self._spike_window = SpikeWindow(self._spike) if self._spike is not None else None
         self._loss_flag: torch.Tensor | None = None
@@ -367,7 +373,7 @@ class ShardedGradScaler:
             warnings.warn(
                 "ShardedGradScaler(device='cuda') is enabled but CUDA is not available; "
                 "disabling it (pass device='cpu' to scale on the CPU).",
-                stacklevel=2,
+                stacklevel=3,  # the caller, past refuse_moved_keywords' wrapper
             )
             self._enabled = False
         # Every value is checked against what its float32/int32 tensor can hold
@@ -375,8 +381,9 @@ class ShardedGradScaler:
         self._growth_factor = validate_growth_factor(growth_factor)
         self._backoff_factor = validate_backoff_factor(backoff_factor)
         self._growth_interval = validate_growth_interval(growth_interval)
-        self._hysteresis = validate_hysteresis(hysteresis)
-        self._min_scale, self._max_scale = validate_bounds(min_scale, max_scale)
+        # ScaleBounds checked its fields; load_state_dict may replace them from a checkpoint.
+        self._hysteresis = bounds.hysteresis
+        self._min_scale, self._max_scale = bounds.min_scale, bounds.max_scale
         # An explicit init_scale outside the bounds is an error, not a clamp: the user typed it,
         # and silently starting elsewhere would hide a mistake in the scale or the bounds. The
         # untyped default is clamped into the bounds instead.
@@ -386,20 +393,16 @@ class ShardedGradScaler:
         self._init_growth_tracker = 0
         self._init_hysteresis_tracker = self._hysteresis
         self.process_group = process_group
-        self._distinct_dims = check_distinct_dims(distinct_dims)
-        if isinstance(distinct_params, Iterable) and not isinstance(
-            distinct_params, (torch.Tensor, str, bytes)
-        ):
-            distinct_params = tuple(distinct_params)  # an iterator is read once, here
-        self._distinct_params = distinct_param_ids(distinct_params)
-        # Kept alive so that no other tensor can reuse a declared parameter's id(), and so that
-        # a copy of the scaler together with its model (pickle, deepcopy) finds the copies.
-        self._distinct_refs = tuple(distinct_params)  # type: ignore[arg-type]
+        self._layout = layout
+        self._distinct_dims = frozenset(layout.distinct_dims)
+        # The Layout keeps its parameters alive, so that no other tensor can reuse a declared
+        # parameter's id(), and so that a copy of the scaler together with its model (pickle,
+        # deepcopy) finds the copies.
+        self._distinct_params = distinct_param_ids(layout.distinct_params)
         # Every optimizer this scaler stepped: where its declared distinct_params may live;
         # complete once an update() ended an iteration that stepped them.
         self._optimizers = weakref.WeakSet()
         self._optimizers_known = False
-        self._registry = registry
         self._kernels_name = check_kernels(kernels)
         self._backend_spec = backend
         self._backend: CollectiveBackend | None = None
@@ -420,7 +423,7 @@ class ShardedGradScaler:
     # -- plumbing ------------------------------------------------------------------------------
 
     def _reg(self) -> Registry:
-        return self._registry if self._registry is not None else get_registry()
+        return get_registry()
 
     @property
     def backend(self) -> CollectiveBackend:
@@ -558,7 +561,7 @@ class ShardedGradScaler:
         """Record whether ``loss`` is finite: a non-finite loss on any rank skips the step everywhere.
 
         ``scale(loss)`` calls it when the scaler was built with
-        ``check_loss=True``; call it yourself where the loss is not scaled.
+        ``policies=[LossCheck()]``; call it yourself where the loss is not scaled.
         No host read: the flag rides in the step's one all-reduce (ranks that
         hold no loss, such as the first stages of a pipeline, add nothing).
         Several calls in one iteration (gradient accumulation) combine: any
@@ -575,11 +578,7 @@ class ShardedGradScaler:
 
     def _verdict(self) -> Verdict:
         reason = SkipReason.OVERFLOW if self._loss_scaling else SkipReason.NONFINITE
-        declared = (
-            f"loss_scaling={self._loss_scaling}, spike={self._spike!r}, "
-            f"max_consecutive_skips={self._streak.limit}"
-        )
-        return Verdict(nonfinite_reason=reason, spike=self._spike_window, declared=declared)
+        return Verdict(nonfinite_reason=reason, spike=self._spike_window, declared=self._declared)
 
     # -- unscale -------------------------------------------------------------------------------
 
@@ -604,9 +603,9 @@ class ShardedGradScaler:
         if self._spike is not None and any(ref() is not optimizer for ref, _ in self._iteration):
             # Same on every rank (they step the same optimizers), so raised before the collective.
             raise ValueError(
-                "ShardedGradScaler(spike=...) tests one global norm per iteration, but a second "
-                "optimizer is being stepped before update(); use one optimizer per scaler (or "
-                "one scaler per optimizer), or drop spike="
+                "ShardedGradScaler(policies=[SpikeSkip(...)]) tests one global norm per "
+                "iteration, but a second optimizer is being stepped before update(); use one "
+                "optimizer per scaler (or one scaler per optimizer), or drop the SpikeSkip"
             )
         if not self._chain_verified:
             # Every rank's scaler reaches its first step together: check the chains there.
@@ -648,7 +647,7 @@ class ShardedGradScaler:
             return config, None
         for other in self._optimizers:
             strangers -= {id(p) for p in optimizer_params(other)}
-        unheld = [p for p in self._distinct_refs if id(p) in strangers]
+        unheld = [p for p in self._layout.distinct_params if id(p) in strangers]
         if not self._optimizers_known:
             unheld = [p for p in unheld if p.grad is None]
         if not unheld:
@@ -1014,7 +1013,7 @@ class ShardedGradScaler:
         publishes the iteration's verdict (:attr:`last_step_skipped`,
         :attr:`last_skip_reason`), feeds an accepted norm to the spike window
         and counts the streak of skipped steps, raising
-        :class:`~shardscale.core.SkipStreakError` at ``max_consecutive_skips``.
+        :class:`~shardscale.core.SkipStreakError` at a :class:`~shardscale.core.SkipStreakLimit`.
         Only a non-finite gradient backs the scale off (docs/skipped-steps.md).
         """
         if not self._enabled:
@@ -1271,14 +1270,21 @@ class ShardedGradScaler:
         return self._loss_scaling
 
     @property
-    def spike(self) -> SpikeSkip | None:
-        """The spike policy (``None``: no spike test)."""
-        return self._spike
+    def policies(self) -> tuple[SkipPolicy, ...]:
+        """The skip policies this scaler was built with, as given (``()``: none)."""
+        return self._policies
 
     @property
-    def max_consecutive_skips(self) -> int | None:
-        """After how many consecutive skipped steps every rank raises (``None``: never)."""
-        return self._streak.limit
+    def layout(self) -> Layout:
+        """What this rank declared about where its parameters live (``Layout()``: nothing)."""
+        return self._layout
+
+    @property
+    def scale_bounds(self) -> ScaleBounds:
+        """The hysteresis and bounds in force (a checkpoint's, after ``load_state_dict``)."""
+        return ScaleBounds(
+            hysteresis=self._hysteresis, min_scale=self._min_scale, max_scale=self._max_scale
+        )
 
     def overflow_report(self, module: torch.nn.Module | None = None) -> OverflowReport:
         """Which ranks and which parameters held non-finite gradients in the last iteration.
@@ -1367,6 +1373,8 @@ class ShardedGradScaler:
         self._init_hysteresis_tracker = values.hysteresis_tracker
         self._min_scale = values.min_scale
         self._max_scale = values.max_scale
+        if self._loss_scaling:  # the bounds are declared: every rank must load the same ones
+            self._declared = declared(self.scale_bounds, split_policies(self._policies))
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
         if self._growth_tracker is not None:
@@ -1383,8 +1391,8 @@ class ShardedGradScaler:
     ) -> tuple[tuple[list[float], int] | None, tuple[int, int] | None]:
         """The checkpoint's spike window and streak, checked against this scaler's options.
 
-        A window saved without ``spike=`` is ignored by a scaler without one; a
-        scaler with ``spike=`` loading a checkpoint without a window starts an
+        A window saved with a :class:`SpikeSkip` is ignored by a scaler without
+        one; a scaler with one loading a checkpoint without a window starts an
         empty one (a run that turns the test on).
         """
         saved = state_dict.get("loss_scaling", True)
@@ -1444,7 +1452,6 @@ class ShardedGradScaler:
         state["_backend"] = None  # rebuilt from the spec on first use
         if not isinstance(state["_backend_spec"], (str, type(None))):
             state["_backend_spec"] = None
-        state["_registry"] = None
         state["_optimizers"] = None  # weak references do not copy; found again on first step
         return state
 
@@ -1456,7 +1463,28 @@ class ShardedGradScaler:
         state.setdefault("_streak", SkipStreak(None))
         state.setdefault("_loss_flag", None)
         state.setdefault("_last_reason", None)
+        state.pop("_registry", None)  # pickled before the scaler used the process registry
+        if "_layout" not in state:  # pickled before the options were objects
+            state["_layout"] = Layout(
+                distinct_dims=tuple(state.get("_distinct_dims", ())),
+                distinct_params=state.pop("_distinct_refs", ()),
+            )
+        if "_policies" not in state:
+            spike, limit = state["_spike"], state["_streak"].limit
+            state["_policies"] = tuple(
+                p
+                for p in (
+                    spike,
+                    LossCheck() if state["_check_loss"] else None,
+                    SkipStreakLimit(limit) if limit is not None else None,
+                )
+                if p is not None
+            )
         self.__dict__.update(state)
+        if "_declared" not in state:
+            self._declared = declared(
+                self.scale_bounds if self._loss_scaling else None, split_policies(self._policies)
+            )
         # id()s do not survive a copy: take them again from the (copied) declared parameters.
-        self._distinct_params = frozenset(id(p) for p in self._distinct_refs)
+        self._distinct_params = frozenset(id(p) for p in self._layout.distinct_params)
         self._optimizers, self._optimizers_known = weakref.WeakSet(), False

@@ -410,30 +410,23 @@ def validate_fixed_scale_options(
     growth_factor: object,
     backoff_factor: object,
     growth_interval: object,
-    hysteresis: object,
-    min_scale: object,
-    max_scale: object,
 ) -> None:
-    """``loss_scaling=False`` fixes the scale at 1: refuse options that would move it.
+    """``loss_scaling=False`` fixes the scale at 1: refuse torch's options that would move it.
 
     Anything but the defaults (or ``init_scale=1.0``) contradicts the fixed
-    scale, so it is an error naming each such option rather than silently ignored.
+    scale, so it is an error naming each such option rather than silently
+    ignored. (Hysteresis and bounds live in ``loss_scaling=ScaleBounds(...)``
+    itself, so they cannot come with ``loss_scaling=False``.)
     """
     defaults: dict[str, object] = {
         "growth_factor": 2.0,
         "backoff_factor": 0.5,
         "growth_interval": 2000,
-        "hysteresis": 1,
-        "min_scale": None,
-        "max_scale": None,
     }
     given = {
         "growth_factor": growth_factor,
         "backoff_factor": backoff_factor,
         "growth_interval": growth_interval,
-        "hysteresis": hysteresis,
-        "min_scale": min_scale,
-        "max_scale": max_scale,
     }
     problems = [f"{k}={v!r}" for k, v in given.items() if v != defaults[k]]
     if not isinstance(init_scale, _DefaultInitScale) and init_scale != 1.0:

@@ -102,8 +102,8 @@ so the declarations are checked twice:
   all raise.
   Steps without a norm (``unscale_``, the fused check) fingerprint only that
   fact: their decision does not depend on declarations.
-  A scaler's step adds its skip policies to either (``loss_scaling``,
-  ``spike``, ``max_consecutive_skips``): every rank takes its verdict from
+  A scaler's step adds its skip policies to either (``loss_scaling``, its
+  ``SpikeSkip`` and ``SkipStreakLimit``): every rank takes its verdict from
   the same reduced vector, so ranks with different policies would take
   different verdicts (one steps, one skips) and all raise instead.
 

@@ -9,7 +9,7 @@ costs no collective and no host read:
 * **non-finite gradient**: any local gradient on any rank held inf/nan --
   an fp16 *overflow* under loss scaling, *non-finite* without it (bf16/fp32);
 * **non-finite loss**: a rank observed a non-finite loss
-  (``ShardedGradScaler(check_loss=True)`` or ``observe_loss``); the vector's
+  (``ShardedGradScaler(policies=[LossCheck()])`` or ``observe_loss``); the vector's
   shared ``loss_nonfinite`` value, to which ranks without a loss add 0;
 * **spike**: the step's global pre-clip norm is finite but above
   :class:`SpikeSkip`'s absolute threshold, or far above the rolling window of
@@ -63,7 +63,7 @@ class SkipReason(enum.IntEnum):
     NONE = 0
     #: The global pre-clip gradient norm was a spike (:class:`SpikeSkip`).
     SPIKE = 1
-    #: A rank observed a non-finite loss (``check_loss=True`` / ``observe_loss``).
+    #: A rank observed a non-finite loss (``LossCheck()`` / ``observe_loss``).
     LOSS = 2
     #: A non-finite gradient on some rank without loss scaling (``loss_scaling=False``).
     NONFINITE = 3
@@ -83,15 +83,33 @@ def _number(value: object, name: str, *, low: float, strict: bool, fix: str) -> 
     return number
 
 
+#: The largest ``SpikeSkip`` ``window`` and ``warmup``. [Note: the spike options' range]
+#: What a spike test holds grows with them: the ring of accepted norms is (reasons x window)
+#: float64 on the device, and the coefficient tables (``SpikeWindow._coefficients``) have
+#: ``max(window, warmup) + 1`` float64 entries each, built by a host loop at the first step
+#: and rebuilt on every load. At 2**16 that is 3 MiB of ring, 1 MiB of tables and 0.2-0.4 s
+#: once (measured on a loaded 2-core CPU host); ``warmup=10**7`` (accepted before this bound)
+#: took 12 s and 160 MiB, larger values minutes and GBs. 65536 accepted steps of window or
+#: warmup are 500 times the window of OLMo-core's recipe (128), which the default follows.
+MAX_SPIKE_STEPS = 2**16
+
+
 def _count(value: object, name: str, *, low: int, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < low:
-        raise ValueError(f"SpikeSkip({name}={value!r}): must be an int >= {low}{fix}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or not low <= int(value) <= MAX_SPIKE_STEPS
+    ):
+        raise ValueError(
+            f"SpikeSkip({name}={value!r}): must be an int in [{low}, {MAX_SPIKE_STEPS}] "
+            f"(the window's memory and the first step's time grow with it){fix}"
+        )
     return int(value)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SpikeSkip:
-    """Skip a step whose global gradient norm is a spike (``ShardedGradScaler(spike=...)``).
+    """Skip a step whose global gradient norm is a spike (``policies=[SpikeSkip(...)]``).
 
     The norm is the true global pre-clip norm of the step: the clip call's
     (``unscale_and_clip_``/``unscale_(..., max_norm=...)``, of its
@@ -110,7 +128,9 @@ class SpikeSkip:
     ``ratio``) arm once ``warmup`` steps have been accepted; ``None`` means
     OLMo-core's rule, ``max(20, window // 2)``. ``SpikeSkip()`` is OLMo-core's
     default: 6 standard deviations over the last 128 accepted steps. Pass
-    ``z=None`` to use only the other tests.
+    ``z=None`` to use only the other tests. ``window`` and ``warmup`` are at
+    most 65536 (:data:`MAX_SPIKE_STEPS`: what the test holds and its first
+    step's time grow with them).
     """
 
     max_norm_abs: float | None = None
@@ -120,24 +140,33 @@ class SpikeSkip:
     warmup: int | None = None
 
     def __post_init__(self) -> None:
+        # Each field is stored as its checked int or float: equal policies show (and so
+        # fingerprint, in the step's declarations) the same, SpikeSkip(z=6) as SpikeSkip(z=6.0).
         if self.max_norm_abs is not None:
-            _number(self.max_norm_abs, "max_norm_abs", low=0.0, strict=True, fix="")
+            number = _number(self.max_norm_abs, "max_norm_abs", low=0.0, strict=True, fix="")
+            object.__setattr__(self, "max_norm_abs", number)
         if self.z is not None:
-            _number(self.z, "z", low=0.0, strict=True, fix="; None turns the z-score test off")
+            number = _number(
+                self.z, "z", low=0.0, strict=True, fix="; None turns the z-score test off"
+            )
+            object.__setattr__(self, "z", number)
         if self.ratio is not None:
-            _number(
+            number = _number(
                 self.ratio, "ratio", low=1.0, strict=True, fix="; None turns the ratio test off"
             )
+            object.__setattr__(self, "ratio", number)
         if self.max_norm_abs is None and self.z is None and self.ratio is None:
             raise ValueError(
                 "SpikeSkip(max_norm_abs=None, z=None, ratio=None) tests nothing: set at least "
                 "one of them (SpikeSkip() uses z=6.0)"
             )
-        _count(self.window, "window", low=2, fix=" (the window needs two norms for a std)")
+        window = _count(self.window, "window", low=2, fix=" (the window needs two norms for a std)")
+        object.__setattr__(self, "window", window)
         if self.warmup is not None:
             # A std needs two values; a mean one.
             low = 2 if self.z is not None else 1
-            _count(self.warmup, "warmup", low=low, fix="; None means max(20, window // 2)")
+            warmup = _count(self.warmup, "warmup", low=low, fix="; None means max(20, window // 2)")
+            object.__setattr__(self, "warmup", warmup)
 
     @property
     def armed_after(self) -> int:
@@ -383,10 +412,10 @@ class SkipStreak:
         first = self._step - count + 1
         raise SkipStreakError(
             f"{count} consecutive optimizer steps were skipped (scaler steps {first} to "
-            f"{self._step}; reasons: {names}), reaching max_consecutive_skips={self.limit}, so "
-            "every rank stops here. Look at the data and the learning rate around step "
+            f"{self._step}; reasons: {names}), reaching SkipStreakLimit(max_skips={self.limit}), "
+            "so every rank stops here. Look at the data and the learning rate around step "
             f"{first} (scaler.overflow_report(model) names non-finite gradients); raise "
-            "max_consecutive_skips, or pass None never to stop",
+            "max_skips, or leave SkipStreakLimit out of policies never to stop",
             step=self._step,
             streak=count,
             reasons=reasons,

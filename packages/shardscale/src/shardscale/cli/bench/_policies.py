@@ -8,9 +8,9 @@ data; every arm runs ``scale(loss).backward()`` and then ``unscale_and_clip_``
 * ``none``: the fp16 scaler with no policy (the reference), and ``none_aa``,
   the same again: their ratio is the run's noise floor (the A/A line);
 * ``no_scaling``: ``loss_scaling=False`` (the scale stays 1, same guard);
-* ``spike``: ``spike=SpikeSkip()`` (its defaults);
-* ``loss``: the loss's finiteness rides in the step's vector;
-* ``streak``: ``max_consecutive_skips`` (never reached here);
+* ``spike``: ``policies=[SpikeSkip()]`` (its defaults);
+* ``loss``: ``policies=[LossCheck()]``: the loss's finiteness rides in the step's vector;
+* ``streak``: ``policies=[SkipStreakLimit(max_skips=1000)]`` (never reached here);
 * ``all``: every policy at once (without loss scaling).
 
 The arms run interleaved in the balanced order of ``_order`` (drift of a shared
@@ -50,29 +50,27 @@ _LABEL = {
     "none": "no policy (fp16 scaling)",
     "none_aa": "no policy again (A/A)",
     "no_scaling": "loss_scaling=False",
-    "spike": "spike=SpikeSkip()",
-    "loss": "loss check",
-    "streak": "max_consecutive_skips=1000",
+    "spike": "SpikeSkip()",
+    "loss": "LossCheck()",
+    "streak": "SkipStreakLimit(max_skips=1000)",
     "all": "all (no scaling + spike + loss + streak)",
 }
 
 
 def _policy_options() -> dict[str, dict[str, Any]]:
     """Each arm's extra ``ShardedGradScaler`` options (built fresh: a SpikeSkip holds state)."""
-    from shardscale.core import SpikeSkip
+    from shardscale.core import LossCheck, SkipStreakLimit, SpikeSkip
 
     return {
         "none": {},
         "none_aa": {},
         "no_scaling": {"loss_scaling": False},
-        "spike": {"spike": SpikeSkip()},
-        "loss": {"check_loss": True},
-        "streak": {"max_consecutive_skips": 1000},
+        "spike": {"policies": [SpikeSkip()]},
+        "loss": {"policies": [LossCheck()]},
+        "streak": {"policies": [SkipStreakLimit(max_skips=1000)]},
         "all": {
             "loss_scaling": False,
-            "spike": SpikeSkip(),
-            "check_loss": True,
-            "max_consecutive_skips": 1000,
+            "policies": [SpikeSkip(), LossCheck(), SkipStreakLimit(max_skips=1000)],
         },
     }
 
