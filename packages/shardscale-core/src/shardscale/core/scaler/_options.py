@@ -17,7 +17,7 @@ hashes by value, and is shown by ``repr`` in a form that builds it again.
 
 What must agree across ranks rides in the step's declarations (see [Note:
 declarations] in ``step._engine``): the scale bounds and the policies that
-decide on the reduced vector (spike, streak) through :func:`declared`; the
+decide on the reduced vector (spike, streak) through :func:`declared_options`; the
 layout through ``StepConfig``. :class:`LossCheck` is not declared: each rank
 adds its own loss flag (0 without a loss, as a pipeline's first stages), so
 ranks that differ still take one verdict.
@@ -46,7 +46,7 @@ __all__ = [
     "SkipStreakLimit",
     "SplitPolicies",
     "check_loss_scaling_option",
-    "declared",
+    "declared_options",
     "moved_keywords_error",
     "refuse_moved_keywords",
     "split_policies",
@@ -276,7 +276,7 @@ def check_loss_scaling_option(value: object) -> ScaleBounds | None:
     )
 
 
-def declared(bounds: ScaleBounds | None, policies: SplitPolicies) -> str:
+def declared_options(bounds: ScaleBounds | None, policies: SplitPolicies) -> str:
     """The scaler's options that every rank must share, as text for the step's declarations.
 
     Ranks whose spike test or streak limit differ would take different

@@ -52,7 +52,7 @@ from shardscale.core.scaler._options import (
     SkipPolicy,
     SkipStreakLimit,
     check_loss_scaling_option,
-    declared,
+    declared_options,
     refuse_moved_keywords,
     split_policies,
 )
@@ -70,6 +70,15 @@ from shardscale.core.scaler._values import (
     validate_scale,
     validate_state_dict,
 )
+from shardscale.core.step import (
+    Apply,
+    PrecomputedNorms,
+    StepConfig,
+    StepRequest,
+    StepResult,
+    poll_errors,
+    run_step,
+)
 from shardscale.core.step._clip import clip_parameters_
 from shardscale.core.step._collect import optimizer_params
 from shardscale.core.step._contract import (
@@ -78,14 +87,6 @@ from shardscale.core.step._contract import (
     check_norm_type,
     distinct_param_ids,
     kernels_name,
-)
-from shardscale.core.step._engine import (
-    Apply,
-    PrecomputedNorms,
-    StepConfig,
-    StepResult,
-    poll_errors,
-    run_step,
 )
 from shardscale.core.step._verdict import (
     SkipReason,
@@ -162,7 +163,7 @@ class _OptimizerState(dict[str, Any]):
         self.record_verdict(result)
         self.grad_scale = grad_scale
         self.stage = OptState.UNSCALED
-        self.pending = result if result._complete is not None else None
+        self.pending = result if result.is_pending else None
 
     def found_inf(self, device: torch.device) -> torch.Tensor | None:
         """The flags summed on ``device`` and capped at 1 (fused optimizers skip only at 1)."""
@@ -362,7 +363,7 @@ class ShardedGradScaler:
         self._spike = split.spike
         self._check_loss = split.loss is not None
         self._streak = SkipStreak(split.streak.max_skips if split.streak is not None else None)
-        self._declared = declared(bounds if self._loss_scaling else None, split)
+        self._declared = declared_options(bounds if self._loss_scaling else None, split)
         self._fuse_optimizer = fuse_optimizer
         self._spike_window = SpikeWindow(self._spike) if self._spike is not None else None
         self._loss_flag: torch.Tensor | None = None
@@ -614,14 +615,16 @@ class ShardedGradScaler:
         result = run_step(
             optimizer_params(optimizer),
             config,
-            apply=apply,
-            scale=options.pop("scale", self._scale),
-            scale_device_type=self._device,
-            defer_errors=defer_errors,
-            refusal=refusal,
-            verdict=self._verdict(),
-            loss_nonfinite=self._loss_flag,
-            **options,
+            StepRequest(
+                apply=apply,
+                scale=options.pop("scale", self._scale),
+                scale_device_type=self._device,
+                defer_errors=defer_errors,
+                refusal=refusal,
+                verdict=self._verdict(),
+                loss_nonfinite=self._loss_flag,
+                **options,
+            ),
         )
         self._iteration.append((weakref.ref(optimizer), result))
         return result
@@ -1374,7 +1377,7 @@ class ShardedGradScaler:
         self._min_scale = values.min_scale
         self._max_scale = values.max_scale
         if self._loss_scaling:  # the bounds are declared: every rank must load the same ones
-            self._declared = declared(self.scale_bounds, split_policies(self._policies))
+            self._declared = declared_options(self.scale_bounds, split_policies(self._policies))
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
         if self._growth_tracker is not None:
@@ -1482,7 +1485,7 @@ class ShardedGradScaler:
             )
         self.__dict__.update(state)
         if "_declared" not in state:
-            self._declared = declared(
+            self._declared = declared_options(
                 self.scale_bounds if self._loss_scaling else None, split_policies(self._policies)
             )
         # id()s do not survive a copy: take them again from the (copied) declared parameters.
