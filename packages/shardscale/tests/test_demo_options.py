@@ -122,6 +122,13 @@ CASES: list[Bad] = [
         "--max-consecutive-skips",
         "--max-consecutive-skips 10",
     ),
+    Bad(
+        # SkipStreakLimit's own range, checked before any process starts.
+        "max-consecutive-skips-past-its-range",
+        ("--max-consecutive-skips", "2000000"),
+        "--max-consecutive-skips: SkipStreakLimit(max_skips=2000000): must be an int in [1, 1000000]",
+        "--max-consecutive-skips 10",
+    ),
     Bad("backend-unknown", ("--backend", "carrier-pigeon"), "--backend", "shardscale plugins"),
     Bad("backend-only-middleware", ("--backend", "counting"), "--backend", "shardscale plugins"),
     Bad("backend-empty", ("--backend", ""), "--backend", "--backend c10d"),

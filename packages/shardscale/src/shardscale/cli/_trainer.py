@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from shardscale.cli._corpus import CharCorpus, load_corpus
 from shardscale.cli._distributed import DistContext, shard_model
 from shardscale.cli._model import ModelConfig, TinyGPT
-from shardscale.core import Layout, ShardedGradScaler, check_max_norm
+from shardscale.core import Layout, ShardedGradScaler, SkipStreakLimit, check_max_norm
 from shardscale.telemetry import JsonlObserver, StepRow, Telemetry, enable
 
 __all__ = [
@@ -79,6 +79,16 @@ def _contract_error(check: Callable[[Any], object], v: Any) -> str | None:
 def _valid_max_norm(v: Any) -> bool:
     # +inf means "never clip" and is valid; 0, negatives and nan are refused by core.
     return _contract_error(check_max_norm, v) is None
+
+
+def _streak_limit(v: Any) -> object:
+    # 0 is the command line's "never" (no policy); a count is SkipStreakLimit's own check,
+    # with its range and its text, before any process starts.
+    return SkipStreakLimit(max_skips=v) if _non_negative_int(v) and v > 0 else None
+
+
+def _valid_streak(v: Any) -> bool:
+    return _non_negative_int(v) and _contract_error(_streak_limit, v) is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +142,10 @@ OPTION_RULES: tuple[OptionRule, ...] = (
     OptionRule(
         "max_consecutive_skips",
         "--max-consecutive-skips",
-        _non_negative_int,
+        _valid_streak,
         ">= 0 (skipped steps in a row before every rank stops; 0: never)",
         "10",
+        contract=_streak_limit,
     ),
     OptionRule("warmup", "", _non_negative_int, ">= 0", "10"),
     OptionRule("eval_batches", "", _positive_int, ">= 1", "4"),
@@ -234,7 +245,7 @@ def scaler_options(cfg: TrainConfig) -> dict[str, Any]:
         options = {"init_scale": cfg.init_scale, "growth_interval": cfg.growth_interval}
     else:
         options = {"loss_scaling": False}
-    from shardscale.core import SkipStreakLimit, SpikeSkip
+    from shardscale.core import SpikeSkip
 
     policies: list[SpikeSkip | SkipStreakLimit] = []
     if cfg.spike:
