@@ -310,3 +310,16 @@ def test_options_survive_pickle_and_a_layout_follows_a_copied_model() -> None:
     assert scaler2.layout.distinct_params[0] is model2.weight
     assert scaler2.layout.distinct_dims == ("pp",)
     assert scaler2.step_config.distinct_params == {id(model2.weight)}
+
+
+def test_scale_bounds_write_only_their_fields_off_torchs_rules() -> None:
+    assert ScaleBounds().state() == {}
+    assert ScaleBounds(hysteresis=3).state() == {"hysteresis": 3}
+    assert ScaleBounds(min_scale=1, max_scale=2.0**20).state() == {
+        "min_scale": 1.0,
+        "max_scale": 2.0**20,
+    }
+    scaler = ShardedGradScaler("cpu", loss_scaling=ScaleBounds(hysteresis=2, max_scale=2.0**20))
+    state = scaler.state_dict()
+    assert state["hysteresis"] == 2 and state["_hysteresis_tracker"] == 2
+    assert state["max_scale"] == 2.0**20 and "min_scale" not in state

@@ -103,6 +103,21 @@ class ScaleBounds:
         """Whether these are torch's rules (no hysteresis, no bounds): its fused update kernel."""
         return self.hysteresis == 1 and self.min_scale is None and self.max_scale is None
 
+    def state(self) -> dict[str, int | float]:
+        """The ``state_dict()`` keys of these bounds: only the fields off torch's rules.
+
+        So a default scaler's state has torch's keys alone. A checkpoint's keys
+        replace the scaler's bounds on ``load_state_dict`` (validated there).
+        """
+        out: dict[str, int | float] = {}
+        if self.hysteresis != 1:
+            out["hysteresis"] = self.hysteresis
+        if self.min_scale is not None:
+            out["min_scale"] = self.min_scale
+        if self.max_scale is not None:
+            out["max_scale"] = self.max_scale
+        return out
+
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class Layout:
@@ -181,9 +196,9 @@ class SkipStreakLimit:
 
     Once ``max_skips`` steps in a row were skipped (for any reason),
     ``update()`` raises :class:`~shardscale.core.SkipStreakError` on every rank
-    at the same call. ``max_skips`` is an int in ``[1, 1_000_000]``
-    (:data:`MAX_STREAK`); leave the policy out never to stop. The streak is in
-    ``state_dict()`` (``_skip_streak``, ``_skip_streak_reasons``).
+    at the same call. ``max_skips`` is an int in ``[1, 1_000_000]``; leave the
+    policy out never to stop. The streak is in ``state_dict()``
+    (``_skip_streak``, ``_skip_streak_reasons``).
     """
 
     max_skips: int

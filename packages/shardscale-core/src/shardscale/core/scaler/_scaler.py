@@ -1335,13 +1335,10 @@ class ShardedGradScaler:
             "growth_interval": self._growth_interval,
             "_growth_tracker": self._get_growth_tracker(),
         }
+        # The bounds' own keys (only those off torch's rules), and the tracker hysteresis counts.
+        state.update(self.scale_bounds.state())
         if self._hysteresis != 1:
-            state["hysteresis"] = self._hysteresis
             state["_hysteresis_tracker"] = self._get_hysteresis_tracker()
-        if self._min_scale is not None:
-            state["min_scale"] = self._min_scale
-        if self._max_scale is not None:
-            state["max_scale"] = self._max_scale
         # The verdict's state, only where its options are on (torch ignores extra keys).
         if not self._loss_scaling:
             state["loss_scaling"] = False

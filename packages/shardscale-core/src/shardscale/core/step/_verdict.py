@@ -129,8 +129,8 @@ class SpikeSkip:
     OLMo-core's rule, ``max(20, window // 2)``. ``SpikeSkip()`` is OLMo-core's
     default: 6 standard deviations over the last 128 accepted steps. Pass
     ``z=None`` to use only the other tests. ``window`` and ``warmup`` are at
-    most 65536 (:data:`MAX_SPIKE_STEPS`: what the test holds and its first
-    step's time grow with them).
+    most 65536 (what the test holds and its first step's time grow with
+    them).
     """
 
     max_norm_abs: float | None = None
