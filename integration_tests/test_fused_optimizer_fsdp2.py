@@ -83,7 +83,7 @@ def _arm(kind: str, ours: bool) -> dict[str, Any]:
         if ours:
             unscale_and_clip_(scaler, opt, 0.05)
             folded.append(scaler._per_optimizer_states[id(opt)].folded)
-            from shardscale.core._optimizer_fusion import runs_on_local_shards
+            from shardscale.core.scaler._optimizer_fusion import runs_on_local_shards
 
             local.append(runs_on_local_shards(opt))
         else:

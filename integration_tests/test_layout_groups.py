@@ -41,8 +41,8 @@ def _case() -> dict[str, Any]:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     from shardscale.core import Apply, StepConfig, get_registry, run_step
-    from shardscale.core._gradients import Trace, _collect_each, collect_grads
-    from shardscale.core._step_plan import forget_plans, plans_of
+    from shardscale.core.step._collect import Trace, _collect_each, collect_grads
+    from shardscale.core.step._plan import forget_plans, plans_of
 
     rank, world = dist.get_rank(), dist.get_world_size()
     flat = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))

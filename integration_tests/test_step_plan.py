@@ -82,7 +82,7 @@ def _run(params: list[nn.Parameter], config: Any) -> tuple[float, float, list[An
 
 
 def _warm_and_cold(params: list[nn.Parameter], config: Any) -> dict[str, Any]:
-    from shardscale.core._step_plan import forget_plans, plans_of
+    from shardscale.core.step._plan import forget_plans, plans_of
 
     saved = [None if g is None else g.clone() for g in _locals(params)]
     uses = sum(plan.uses for plan in plans_of(params[0]))

@@ -19,7 +19,7 @@ import torch
 from tolerances import clipped_grad_rtol
 
 from shardscale.core import ShardedGradScaler
-from shardscale.core._optimizer_fusion import fusion_refusal
+from shardscale.core.scaler._optimizer_fusion import fusion_refusal
 
 SHAPES = ((16, 12), (16,), (4, 16), (4,))
 STEPS = 6

@@ -307,7 +307,7 @@ def test_the_reduced_vector_note_names_the_layouts_blocks_in_order() -> None:
     import re
 
     from shardscale.core import VectorLayout
-    from shardscale.core import _step_engine as engine
+    from shardscale.core.step import _engine as engine
 
     doc = engine.__doc__ or ""
     # The note itself (a header on its own line), not the mentions of it.
@@ -330,7 +330,7 @@ def test_the_reduced_vector_note_names_the_layouts_blocks_in_order() -> None:
 
 def test_errors_are_classified_by_type_not_by_message() -> None:
     from shardscale.core import DeclarationError, GradientDtypeError, LayoutError
-    from shardscale.core._step_errors import ERROR_KINDS, error_code
+    from shardscale.core.step._errors import ERROR_KINDS, error_code
 
     def code_of(kind: type[BaseException]) -> int:
         return next(i for i, (k, _) in enumerate(ERROR_KINDS, start=1) if k is kind)

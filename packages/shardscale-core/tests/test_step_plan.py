@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from shardscale.core import Apply, StepConfig, get_registry, run_step
-from shardscale.core._aliasing import AliasedGradientError
-from shardscale.core._step_plan import plans_of
+from shardscale.core.step._aliasing import AliasedGradientError
+from shardscale.core.step._plan import plans_of
 
 SCALE = 1024.0
 

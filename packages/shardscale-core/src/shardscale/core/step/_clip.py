@@ -12,8 +12,8 @@ import warnings
 
 import torch
 
-from shardscale.core._contract import check_error_if_nonfinite, nonfinite_norm_error
-from shardscale.core._step_engine import Apply, StepConfig, run_step
+from shardscale.core.step._contract import check_error_if_nonfinite, nonfinite_norm_error
+from shardscale.core.step._engine import Apply, StepConfig, run_step
 
 __all__ = ["clip_parameters_", "norm_dtype"]
 

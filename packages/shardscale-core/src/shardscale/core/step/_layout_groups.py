@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from shardscale.core._gradients import GradBuckets, Trace, check_ranks, dtensor_type
+from shardscale.core.step._collect import GradBuckets, Trace, check_ranks, dtensor_type
 from shardscale.core._protocols import AdapterContext
 
 if TYPE_CHECKING:

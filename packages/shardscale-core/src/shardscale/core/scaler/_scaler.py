@@ -9,7 +9,7 @@ machine (READY → UNSCALED → STEPPED, reset by ``update``) and the errors for
 misuse follow torch's. What differs is only *where* found_inf comes from:
 every path into ``step`` -- ``unscale_``, ``unscale_(..., max_norm=...)``, a
 fused optimizer's check without ``unscale_`` -- is one call of the step engine
-(``shardscale.core._step_engine``, [Note: one step, top to bottom]), which
+(``shardscale.core.step._engine``, [Note: one step, top to bottom]), which
 reads every local gradient and reduces in ONE collective over the scaler's
 process group, so every rank decides the same way whatever layout its
 parameters have. This module keeps the state machine and the scale.
@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, overload
 import torch
 from torch.amp.grad_scaler import OptState
 
-from shardscale.core._clipping import clip_parameters_
-from shardscale.core._contract import (
+from shardscale.core.step._clip import clip_parameters_
+from shardscale.core.step._contract import (
     check_distinct_dims,
     check_kernels,
     check_loss_scaling,
@@ -47,17 +47,17 @@ from shardscale.core._contract import (
     kernels_name,
 )
 from shardscale.core._errors import DeclarationError
-from shardscale.core._gradients import optimizer_params
-from shardscale.core._optimizer_fusion import (
+from shardscale.core.step._collect import optimizer_params
+from shardscale.core.scaler._optimizer_fusion import (
     FIRST_MOMENTUM_STEP,
     fused_kernel_step,
     fusion_refusal,
     runs_on_local_shards,
 )
-from shardscale.core._overflow import OverflowReport, build_overflow_report
+from shardscale.core.scaler._overflow import OverflowReport, build_overflow_report
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, StepRecord
 from shardscale.core._registry import Registry, get_registry
-from shardscale.core._scaler_values import (
+from shardscale.core.scaler._values import (
     DEFAULT_INIT_SCALE,
     FLOAT32_TINY,
     ScalerStateError,
@@ -72,7 +72,7 @@ from shardscale.core._scaler_values import (
     validate_scale,
     validate_state_dict,
 )
-from shardscale.core._step_engine import (
+from shardscale.core.step._engine import (
     Apply,
     PrecomputedNorms,
     StepConfig,
@@ -80,7 +80,7 @@ from shardscale.core._step_engine import (
     poll_errors,
     run_step,
 )
-from shardscale.core._verdict import (
+from shardscale.core.step._verdict import (
     SkipReason,
     SkipStreak,
     SpikeSkip,

@@ -31,7 +31,7 @@ stages, each a function below, in this order:
 With W ranks in the reduction group, rank r writes only slot r of each block
 and zeros elsewhere, so the SUM all-reduce is exact (adding zeros) and every
 rank receives every rank's numbers. The blocks are named in code by
-:class:`~shardscale.core._step_vector.VectorLayout`, in this order:
+:class:`~shardscale.core.step._vector.VectorLayout`, in this order:
 
 ============  ===========================================================
 block         rank r's slot
@@ -140,13 +140,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from shardscale.core._aliasing import check_no_aliased_grads
-from shardscale.core._contract import ALL_RANKS, check_max_norm, check_norm_type
+from shardscale.core.step._aliasing import check_no_aliased_grads
+from shardscale.core.step._contract import ALL_RANKS, check_max_norm, check_norm_type
 from shardscale.core._errors import DeclarationError
-from shardscale.core._gradients import GradBuckets, OwnerRefs, Trace, collect_grads
+from shardscale.core.step._collect import GradBuckets, OwnerRefs, Trace, collect_grads
 from shardscale.core._plain_adapter import PlainTensorAdapter
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, Handle, ReduceOp
-from shardscale.core._step_arith import (
+from shardscale.core.step._arith import (
     TINY64,
     constant,
     fill_local,
@@ -156,7 +156,7 @@ from shardscale.core._step_arith import (
     probe,
     reason_into,
 )
-from shardscale.core._step_errors import (
+from shardscale.core.step._errors import (
     ErrorBlocks,
     GradientDeviceError,
     StepError,
@@ -170,7 +170,7 @@ from shardscale.core._step_errors import (
     raise_step_errors,
     verify_same_chain,
 )
-from shardscale.core._step_plan import (
+from shardscale.core.step._plan import (
     StepPlan,
     build_plan,
     find_plan,
@@ -178,8 +178,8 @@ from shardscale.core._step_plan import (
     replicas_unchanged,
     warm_buckets,
 )
-from shardscale.core._step_vector import VectorLayout, pack_status
-from shardscale.core._verdict import SkipReason, Verdict
+from shardscale.core.step._vector import VectorLayout, pack_status
+from shardscale.core.step._verdict import SkipReason, Verdict
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
