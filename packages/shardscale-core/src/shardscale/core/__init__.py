@@ -14,22 +14,7 @@ Quick start::
 
 from __future__ import annotations
 
-from shardscale.core.step._aliasing import AliasedGradientError
 from shardscale.core._blas_kernels import BlasDotKernels
-from shardscale.core.step._clip import clip_parameters_, norm_dtype
-from shardscale.core.step._contract import (
-    check_distinct_dims,
-    check_error_if_nonfinite,
-    check_kernels,
-    check_loss_scaling,
-    check_max_consecutive_skips,
-    check_max_norm,
-    check_norm_type,
-    check_spike,
-    distinct_param_ids,
-    kernels_name,
-    nonfinite_norm_error,
-)
 from shardscale.core._errors import (
     BackendUnavailableError,
     DeclarationError,
@@ -43,14 +28,11 @@ from shardscale.core._errors import (
     SkipStreakError,
 )
 from shardscale.core._foreach_kernels import ForeachKernels
-from shardscale.core.step._collect import GradBuckets, collect_grads, optimizer_params
 from shardscale.core._hookspecs import ENTRY_POINT_GROUP, HOOK_KINDS, PROJECT, hookimpl
-from shardscale.core.scaler._iteration import Iteration, step_and_flag
 from shardscale.core._lazy import lazy_exports
 from shardscale.core._local import LocalBackend
 from shardscale.core._loop_kernels import LoopKernels
 from shardscale.core._middleware_base import MiddlewareBase
-from shardscale.core.scaler._overflow import OverflowReport
 from shardscale.core._plain_adapter import PlainTensorAdapter, is_fsdp1_param
 from shardscale.core._protocols import (
     AdapterContext,
@@ -75,8 +57,10 @@ from shardscale.core._registry import (
     get_registry,
     reset_registry,
 )
+from shardscale.core.scaler._iteration import Iteration, step_and_flag
+from shardscale.core.scaler._overflow import OverflowReport
 from shardscale.core.scaler._scaler import OptState, ScalerStateError, ShardedGradScaler
-from shardscale.core.step._engine import (
+from shardscale.core.step import (
     EPS,
     Apply,
     GradientDeviceError,
@@ -88,6 +72,22 @@ from shardscale.core.step._engine import (
     poll_errors,
     read_tensor_norm,
     run_step,
+)
+from shardscale.core.step._aliasing import AliasedGradientError
+from shardscale.core.step._clip import clip_parameters_, norm_dtype
+from shardscale.core.step._collect import GradBuckets, collect_grads, optimizer_params
+from shardscale.core.step._contract import (
+    check_distinct_dims,
+    check_error_if_nonfinite,
+    check_kernels,
+    check_loss_scaling,
+    check_max_consecutive_skips,
+    check_max_norm,
+    check_norm_type,
+    check_spike,
+    distinct_param_ids,
+    kernels_name,
+    nonfinite_norm_error,
 )
 from shardscale.core.step._vector import VectorLayout
 from shardscale.core.step._verdict import SkipReason, SpikeSkip

@@ -25,7 +25,7 @@ from shardscale.core.step._verdict import SkipReason
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from shardscale.core.step._engine import StepResult
+    from shardscale.core.step._types import StepResult
 
 __all__ = ["OverflowReport", "build_overflow_report"]
 

@@ -34,20 +34,9 @@ from typing import TYPE_CHECKING, Any, overload
 import torch
 from torch.amp.grad_scaler import OptState
 
-from shardscale.core.step._clip import clip_parameters_
-from shardscale.core.step._contract import (
-    check_distinct_dims,
-    check_kernels,
-    check_loss_scaling,
-    check_max_consecutive_skips,
-    check_max_norm,
-    check_norm_type,
-    check_spike,
-    distinct_param_ids,
-    kernels_name,
-)
 from shardscale.core._errors import DeclarationError
-from shardscale.core.step._collect import optimizer_params
+from shardscale.core._protocols import AdapterContext, CollectiveBackend, StepRecord
+from shardscale.core._registry import Registry, get_registry
 from shardscale.core.scaler._optimizer_fusion import (
     FIRST_MOMENTUM_STEP,
     fused_kernel_step,
@@ -55,8 +44,6 @@ from shardscale.core.scaler._optimizer_fusion import (
     runs_on_local_shards,
 )
 from shardscale.core.scaler._overflow import OverflowReport, build_overflow_report
-from shardscale.core._protocols import AdapterContext, CollectiveBackend, StepRecord
-from shardscale.core._registry import Registry, get_registry
 from shardscale.core.scaler._values import (
     DEFAULT_INIT_SCALE,
     FLOAT32_TINY,
@@ -72,13 +59,27 @@ from shardscale.core.scaler._values import (
     validate_scale,
     validate_state_dict,
 )
-from shardscale.core.step._engine import (
+from shardscale.core.step import (
     Apply,
     PrecomputedNorms,
     StepConfig,
+    StepRequest,
     StepResult,
     poll_errors,
     run_step,
+)
+from shardscale.core.step._clip import clip_parameters_
+from shardscale.core.step._collect import optimizer_params
+from shardscale.core.step._contract import (
+    check_distinct_dims,
+    check_kernels,
+    check_loss_scaling,
+    check_max_consecutive_skips,
+    check_max_norm,
+    check_norm_type,
+    check_spike,
+    distinct_param_ids,
+    kernels_name,
 )
 from shardscale.core.step._verdict import (
     SkipReason,
@@ -155,7 +156,7 @@ class _OptimizerState(dict[str, Any]):
         self.record_verdict(result)
         self.grad_scale = grad_scale
         self.stage = OptState.UNSCALED
-        self.pending = result if result._complete is not None else None
+        self.pending = result if result.is_pending else None
 
     def found_inf(self, device: torch.device) -> torch.Tensor | None:
         """The flags summed on ``device`` and capped at 1 (fused optimizers skip only at 1)."""
@@ -615,14 +616,16 @@ class ShardedGradScaler:
         result = run_step(
             optimizer_params(optimizer),
             config,
-            apply=apply,
-            scale=options.pop("scale", self._scale),
-            scale_device_type=self._device,
-            defer_errors=defer_errors,
-            refusal=refusal,
-            verdict=self._verdict(),
-            loss_nonfinite=self._loss_flag,
-            **options,
+            StepRequest(
+                apply=apply,
+                scale=options.pop("scale", self._scale),
+                scale_device_type=self._device,
+                defer_errors=defer_errors,
+                refusal=refusal,
+                verdict=self._verdict(),
+                loss_nonfinite=self._loss_flag,
+                **options,
+            ),
         )
         self._iteration.append((weakref.ref(optimizer), result))
         return result
