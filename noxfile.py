@@ -45,6 +45,7 @@ DISTS = [
     "shardscale-fsdp",
     "shardscale-triton",
     "shardscale-telemetry",
+    "shardscale-schedules",
     "shardscale",
     "shardscale-lightning",
     "shardscale-accelerate",

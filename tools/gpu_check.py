@@ -52,7 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOORS = runpy.run_path(str(ROOT / "packages/shardscale/src/shardscale/cli/_floors.py"))
 # Ours, without the trainer integrations (they need lightning/accelerate, not part of this).
 DISTS = ["shardscale-core", "shardscale-collectives", "shardscale-clip", "shardscale-fsdp",
-         "shardscale-triton", "shardscale-telemetry", "shardscale"]  # fmt: skip
+         "shardscale-triton", "shardscale-telemetry", "shardscale-schedules",
+         "shardscale"]  # fmt: skip
 TEST_DEPS = ["pytest", "pytest-timeout", "hypothesis", "pluggy"]
 TRITON_TESTS = ROOT / "packages" / "shardscale-triton" / "tests"
 PARTS = ["environment", "install", "doctor", "cuda tests", "triton tests", "kernels benchmark",
