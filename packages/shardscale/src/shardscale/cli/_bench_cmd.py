@@ -118,7 +118,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
       help="print the tables of earlier runs instead of running (ranges over several)")  # fmt: skip
     a("--markdown", action="store_true", help="print Markdown (the README's tables)")
     p.set_defaults(func=run_bench)
-    subs = p.add_subparsers(dest="bench_command", metavar="{host,scale}",
+    subs = p.add_subparsers(dest="bench_command", metavar="[host|scale]",
                             parser_class=CommandParser)  # fmt: skip
     _add_host(subs)
     _add_scale(subs)
