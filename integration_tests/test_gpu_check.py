@@ -176,3 +176,26 @@ def test_bench_on_cuda_installs_nothing_into_a_venv_and_runs_the_machines_python
     # The bench session takes that path for --device cuda before installing anything.
     bench = ast.unparse(funcs["bench"])  # type: ignore[arg-type]
     assert bench.index("_bench_with_machine_torch") < bench.index("_install_torch")
+
+
+def test_the_dry_run_session_installs_torch_alone_and_runs_both_commands() -> None:
+    import ast
+
+    node = _nox_functions()["gpu_dry_run"]
+    text = ast.unparse(node)  # type: ignore[arg-type]
+    calls = [ast.unparse(c.func) for c in ast.walk(node) if isinstance(c, ast.Call)]  # type: ignore[arg-type]
+    # Only torch goes in by hand: ours and the test dependencies come from the wheelhouse
+    # (pip --no-index, inside gpu_check's install part), and hatchling is refused.
+    assert "session.install" not in calls and "_install_torch" in calls
+    assert "hatchling is installed" in text  # the session refuses a venv that has it
+    assert text.index("'tests'") < text.index("'bench'")
+    tool = _tool()
+    install = ast.unparse(
+        next(
+            n
+            for n in ast.parse(SCRIPT.read_text()).body
+            if isinstance(n, ast.FunctionDef) and n.name == "install"
+        )
+    )
+    assert "--no-index" in install and "--target" in install and "--no-deps" in install
+    assert tool["SITE"] == ROOT / ".nox" / "gpu-site"

@@ -198,7 +198,13 @@ def check_environment(run: Run) -> Part:
         why = run.ran_out() if code is None else f"cannot inspect {run.python}"
         return run.add(Part("environment", "failed", why,
                             secs, _tail(out)))  # fmt: skip
-    env = run.env = json.loads(out.strip().splitlines()[-1])
+    # The probe's JSON is its last line on stdout; stderr (merged here) may carry warnings,
+    # e.g. torch's "Failed to initialize NumPy" where numpy is not installed.
+    found = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if not found:
+        return run.add(Part("environment", "failed", "the probe printed no JSON", secs,
+                            _tail(out)))  # fmt: skip
+    env = run.env = json.loads(found[-1])
     if "torch_error" in env:
         return run.add(Part("environment", "failed", f"torch does not import: {env['torch_error']}",
                             secs))  # fmt: skip
@@ -277,7 +283,8 @@ def _has(run: Run, dist: str) -> bool:
 def doctor(run: Run) -> Part:
     code, out, secs = run.child("doctor", [run.python, "-m", "shardscale.cli", "doctor", "--json"])
     try:
-        data = json.loads(out[out.index("{") :])
+        # The JSON, whatever stderr (merged here) printed after it (warnings of torch or numpy).
+        data, _ = json.JSONDecoder().raw_decode(out, out.index("{"))
     except ValueError:
         return run.add(Part("doctor", "failed", "shardscale doctor printed no JSON", secs,
                             _tail(out)))  # fmt: skip
