@@ -142,9 +142,11 @@ class ProgressView:
                 BarColumn(bar_width=30),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[label]}"),
+                TextColumn("elapsed"),
                 TimeElapsedColumn(),
-                TextColumn("left"),
+                TextColumn("about"),
                 TimeRemainingColumn(),
+                TextColumn("left"),
                 console=Console(file=self.stream),
                 refresh_per_second=4,
             )
