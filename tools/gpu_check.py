@@ -5,7 +5,7 @@ command, on a machine without network whose image has Python, torch, Triton,
 pytest, hypothesis and pluggy but not hatchling. So the check is two commands
 of at most 5 minutes each (``--budget``, 290 s by default), run from a clone
 with our wheels beside it (``nox -s gpu_wheelhouse`` builds
-``.nox/gpu-wheelhouse``, about 1 MiB; bring it along)::
+``.nox/gpu-wheelhouse``, about 3 MiB; bring it along)::
 
     python tools/gpu_check.py tests --report OUT/gpu-check.md   # 1: install, doctor, tests
     python tools/gpu_check.py bench --report OUT/gpu-check.md   # 2: the step-tail benchmark

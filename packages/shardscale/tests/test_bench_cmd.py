@@ -134,6 +134,10 @@ def test_markdown_is_regenerated_from_the_json(
     assert main(["bench", "--from-json", str(out / "bench.json"), str(out / "other.json")]) == 0
     printed = capsys.readouterr().out
     assert "Ranges over 2 runs" in printed and "another run" in printed
+    # --json: the result as JSON, alone on stdout.
+    assert main(["bench", "--from-json", str(out / "bench.json"), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["rows"] == json.loads((out / "bench.json").read_text())["rows"]
 
 
 @pytest.mark.multiprocess

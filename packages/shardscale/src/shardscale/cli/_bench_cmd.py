@@ -454,7 +454,10 @@ def run_bench(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
         if args.from_json:
             runs = _load_runs(list(args.from_json))
             if args.json:
-                print(json.dumps(runs[0] if len(runs) == 1 else runs, indent=1), file=out)
+                from shardscale.cli.bench._report import sanitize
+
+                print(json.dumps(sanitize(runs[0] if len(runs) == 1 else runs), indent=1),
+                      file=out)  # fmt: skip
             else:
                 _print_runs(runs, args.markdown, out)
             return 0
