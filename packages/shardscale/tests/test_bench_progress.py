@@ -40,12 +40,17 @@ def test_plain_view_prints_each_new_part_and_throttles_rounds_with_an_estimate()
         view.show([ev("dp2 adam_fused: warm-up", 5)])  # a new part: printed, with an estimate
         now[0] = 45.0
         view.show([ev("dp2 adam_fused: round 3/4", 8)])  # 35 s later: printed again
+        now[0] = 50.0
+        view.show([ev("dp2 adam_fused: done", 10)])  # same part, 5 s later: at the end
     lines = out.getvalue().splitlines()
     assert lines == [
         "  timed rounds 0/10: dp2 sgd: warm-up (0 s so far)",
         "  timed rounds 5/10: dp2 adam_fused: warm-up (10 s so far, about 10 s left)",
         "  timed rounds 8/10: dp2 adam_fused: round 3/4 (45 s so far, about 11 s left)",
+        "  timed rounds 10/10: dp2 adam_fused: done (50 s so far, about 0 s left)",
     ]
+    view.close()  # twice: nothing more
+    assert len(out.getvalue().splitlines()) == 4
     assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
 
 

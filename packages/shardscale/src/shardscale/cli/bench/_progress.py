@@ -179,12 +179,15 @@ class ProgressView:
             self._ids[name], completed=task.done, total=task.total, label=escape(task.label)
         )
 
-    def _print_due(self, now: float) -> None:
+    def _print_due(self, now: float, *, final: bool = False) -> None:
         for name, task in self.tasks.items():
             # A new part (what comes before the label's first colon) prints at once; a round
-            # within it waits for the interval.
+            # within it waits for the interval; at the end, each task's last state once.
             changed = task.label.split(":")[0] != task.printed_label.split(":")[0]
-            if not changed and now - task.printed_at < PLAIN_EVERY_S:
+            if final:
+                if task.label == task.printed_label:
+                    continue
+            elif not changed and now - task.printed_at < PLAIN_EVERY_S:
                 continue
             task.printed_at, task.printed_label = now, task.label
             left = task.left_s(now)
@@ -202,10 +205,12 @@ class ProgressView:
             print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
-        """Stop drawing (safe twice)."""
+        """Stop drawing (safe twice); plain output ends with each task's last state."""
         if self._rich is not None:
             self._rich.__exit__(None, None, None)
             self._rich = None
+        elif self.tasks:
+            self._print_due(self.clock(), final=True)
 
     def __exit__(
         self,
