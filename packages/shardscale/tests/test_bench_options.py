@@ -42,6 +42,7 @@ BAD: list[tuple[list[str], str]] = [
     (["--scaling-points", "0"], "--scaling-points"),
     (["--steps", "many"], "--steps"),
     (["--device", "tpu"], "tpu"),
+    (["--amp", "fp8"], "--amp"),
 ]
 
 
