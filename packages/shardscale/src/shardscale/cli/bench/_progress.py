@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
-__all__ = ["ProgressFile", "ProgressView", "format_seconds", "progress_path", "read_events"]
+__all__ = ["ProgressFile", "ProgressView", "format_seconds", "read_events"]
 
 #: Plain output prints a running task's line at most this often (seconds).
 PLAIN_EVERY_S = 30.0
@@ -220,8 +219,3 @@ class ProgressView:
     ) -> None:
         del exc_type, exc, tb
         self.close()
-
-
-def progress_path(tmpdir: str) -> str:
-    """Where the ranks of a run started in ``tmpdir`` write their progress."""
-    return os.path.join(tmpdir, "progress.jsonl")
