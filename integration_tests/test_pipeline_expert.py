@@ -39,7 +39,8 @@ from mp_harness import Pool
 from tolerances import clipped_grad_rtol, norm_rtol
 from torch import nn
 
-from shardscale.core import Layout, VectorLayout
+from shardscale.core import Layout
+from shardscale.core.step import VectorLayout
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

@@ -193,7 +193,8 @@ def test_a_rank_local_error_raises_on_every_rank_within_seconds(pool2: Pool, api
 
 
 def _refusal_case(what: str) -> dict[str, Any]:
-    from shardscale.core import Layout, ShardedGradScaler, get_registry, reset_registry
+    from shardscale.core import Layout, ShardedGradScaler, get_registry
+    from shardscale.core.plugins import reset_registry
 
     rank = dist.get_rank()
     torch.manual_seed(0)

@@ -34,11 +34,9 @@ import torch
 
 from shardscale.core import (
     BackendUnavailableError,
-    CompletedHandle,
     Layout,
     LayoutError,
     LossCheck,
-    OptState,
     PluginConflictError,
     PluginNotFoundError,
     ReduceOp,
@@ -51,8 +49,9 @@ from shardscale.core import (
     SpikeSkip,
     get_registry,
     hookimpl,
-    reset_registry,
 )
+from shardscale.core.plugins import CompletedHandle, reset_registry
+from shardscale.core.scaler import OptState
 
 
 @pytest.fixture(autouse=True)

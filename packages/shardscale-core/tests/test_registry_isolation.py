@@ -21,8 +21,6 @@ import pytest
 import torch
 
 from shardscale.core import (
-    BACKEND_ENV,
-    DISABLE_ENV,
     ForeachKernels,
     GradShard,
     LocalBackend,
@@ -34,8 +32,8 @@ from shardscale.core import (
     ShardscaleError,
     get_registry,
     hookimpl,
-    reset_registry,
 )
+from shardscale.core.plugins import BACKEND_ENV, DISABLE_ENV, reset_registry
 
 
 @pytest.fixture

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from shardscale import telemetry
-from shardscale.core import ScaleBounds, ShardedGradScaler, reset_registry
+from shardscale.core import ScaleBounds, ShardedGradScaler
+from shardscale.core.plugins import reset_registry
 
 
 @pytest.fixture(autouse=True)
