@@ -1,4 +1,4 @@
-"""An unfused torch SGD/Adam/AdamW stepped through torch's fused kernel (``fuse_optimizer``).
+"""An unfused torch SGD/Adam/AdamW stepped through torch's fused kernel (``fuse_optimizer=True``).
 
 Compared, in one process, with torch's own recipe on the same optimizer built
 the same way: ``torch.amp.GradScaler`` + ``unscale_`` + ``clip_grad_norm_`` +
@@ -9,14 +9,16 @@ rounding), so their differences are the per-step roundings only.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 from tolerances import clipped_grad_rtol
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardscale.core import ShardedGradScaler
 from shardscale.core._optimizer_fusion import fusion_refusal
@@ -100,6 +102,22 @@ def _bounds(name: str) -> tuple[float, float]:
     return rtol, atol
 
 
+@contextlib.contextmanager
+def _kernels() -> Iterator[set[str]]:
+    """The names of torch's fused optimizer kernels run inside the block (torch's dispatch)."""
+    ran: set[str] = set()
+
+    class _Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            name = func.overloadpacket.__name__
+            if name.startswith("_fused_"):
+                ran.add(name)
+            return func(*args, **(kwargs or {}))
+
+    with _Seen():
+        yield ran
+
+
 def _state(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
     return [dict(opt.state[p]) for p in params if p in opt.state]
 
@@ -144,7 +162,7 @@ def test_parity_with_torchs_recipe_over_skipped_and_clipped_steps(name: str) -> 
     steps = _grads()
     max_norm = _max_norm(steps)
     ref_params, ref_opt, ref_scales = _torch_recipe(name, steps, max_norm)
-    params, opt, scales, folded = _ours(name, steps, max_norm)
+    params, opt, scales, folded = _ours(name, steps, max_norm, fuse_optimizer=True)
     # Momentum SGD takes the multiply path until its buffers exist (after the first step
     # that is not skipped); every other step ran through torch's fused kernel.
     first = 2 if opt.param_groups[0].get("momentum", 0) else 0
@@ -172,7 +190,7 @@ def test_a_skipped_step_changes_nothing(name: str) -> None:
     steps = _grads()
     params = _params()
     opt = OPTIMIZERS[name](params)
-    scaler = ShardedGradScaler("cpu", backend="local", **SCALER_KW)
+    scaler = ShardedGradScaler("cpu", backend="local", fuse_optimizer=True, **SCALER_KW)
     for k in (1, 2):  # two clean steps: every state exists, the kernel runs
         opt.zero_grad()
         _set_grads(params, steps[k], scaler.get_scale())
@@ -197,10 +215,11 @@ def test_a_skipped_step_changes_nothing(name: str) -> None:
 def test_a_plain_step_keeps_torchs_exact_numbers_unless_asked() -> None:
     steps = _grads()
     runs = {}
-    for choice in (None, True):
+    for choice in (None, False, True):
         params = _params()
         opt = torch.optim.SGD(params, lr=LR)
-        scaler = ShardedGradScaler("cpu", backend="local", fuse_optimizer=choice, **SCALER_KW)
+        kw = {} if choice is None else {"fuse_optimizer": choice}
+        scaler = ShardedGradScaler("cpu", backend="local", **kw, **SCALER_KW)
         ref_params = _params()
         ref_opt = torch.optim.SGD(ref_params, lr=LR)
         ref = torch.amp.GradScaler("cpu", **SCALER_KW)
@@ -214,6 +233,7 @@ def test_a_plain_step_keeps_torchs_exact_numbers_unless_asked() -> None:
         runs[choice] = [torch.equal(p, q) for p, q in zip(params, ref_params, strict=True)]
         assert scaler.get_scale() == ref.get_scale()
     assert all(runs[None])  # default: torch's unscale kernel, bit-identical
+    assert all(runs[False])
     # True: dividing by a power-of-two scale is exact too, then the same SGD update.
     assert all(runs[True])
 
@@ -267,7 +287,7 @@ def test_groups_and_attributes_are_restored_after_the_step_and_after_an_exceptio
         [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     )
     attrs = set(vars(opt))
-    scaler = ShardedGradScaler("cpu", backend="local", **SCALER_KW)
+    scaler = ShardedGradScaler("cpu", backend="local", fuse_optimizer=True, **SCALER_KW)
 
     def check() -> None:
         assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
@@ -276,25 +296,31 @@ def test_groups_and_attributes_are_restored_after_the_step_and_after_an_exceptio
 
     _set_grads(params, _grads()[1], scaler.get_scale())
     scaler.unscale_(opt, max_norm=1.0)
-    scaler.step(opt)
+    assert scaler._per_optimizer_states[id(opt)].folded
+    with _kernels() as ran:
+        scaler.step(opt)
+    assert ran == {"_fused_adam_"}
     scaler.update()
     check()
 
-    def boom(*_: Any) -> None:
-        raise RuntimeError("boom")
-
-    handle = opt.register_step_post_hook(boom)
+    # A step that raises inside optimizer.step (a hook would refuse the fold: an argument
+    # Adam.step does not take raises there, after the flags were set).
     _set_grads(params, _grads()[2], scaler.get_scale())
     scaler.unscale_(opt, max_norm=1.0)
-    with pytest.raises(RuntimeError, match="boom"):
-        scaler.step(opt)
-    handle.remove()
+    assert scaler._per_optimizer_states[id(opt)].folded
+    with pytest.raises(TypeError, match="boom"):
+        scaler.step(opt, boom=1)
     check()
 
 
 def test_the_option_is_checked() -> None:
     with pytest.raises(TypeError, match="fuse_optimizer"):
         ShardedGradScaler("cpu", fuse_optimizer="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="must be True or False"):
+        ShardedGradScaler("cpu", fuse_optimizer=1)  # type: ignore[arg-type]
+    # The old automatic value names the change and the way forward.
+    with pytest.raises(TypeError, match=r"fuse_optimizer=None\) is gone.*default is now False"):
+        ShardedGradScaler("cpu", fuse_optimizer=None)  # type: ignore[arg-type]
 
 
 def test_after_an_explicit_unscale_the_kernel_gets_no_grad_scale_and_the_grads_stay_unscaled() -> (
@@ -308,14 +334,15 @@ def test_after_an_explicit_unscale_the_kernel_gets_no_grad_scale_and_the_grads_s
     ref = torch.amp.GradScaler("cpu", **SCALER_KW)
     ref.scale(torch.zeros(()))
     ran_fused: list[bool] = []
-    opt.register_step_pre_hook(lambda o, *_: ran_fused.append(o.param_groups[0]["fused"]))
     for k in (1, 2, 3, 4):  # step 3 holds an inf
         for ps, o, s in ((params, opt, scaler), (ref_params, ref_opt, ref)):
             o.zero_grad()
             _set_grads(ps, steps[k], s.get_scale())
             s.unscale_(o)
         unscaled = [p.grad.clone() for p in params]  # type: ignore[union-attr]
-        scaler.step(opt)
+        with _kernels() as ran:
+            scaler.step(opt)
+        ran_fused.append("_fused_sgd_" in ran or None)  # type: ignore[arg-type]
         ref.step(ref_opt)
         scaler.update()
         ref.update()
