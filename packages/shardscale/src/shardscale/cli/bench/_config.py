@@ -23,7 +23,7 @@ __all__ = [
 
 #: The arms, in the order the JSON lists them. ``torch_aa`` is a second copy of torch's recipe:
 #: its ratio to ``torch`` is the noise floor of the run (the A/A line).
-ARMS = ("torch", "torch_aa", "ours", "ours_streaming", "ours_foreach")
+ARMS = ("torch", "torch_aa", "ours", "ours_fuse_optimizer", "ours_streaming", "ours_foreach")
 OPTIMIZERS = ("sgd", "adam_fused")
 MESH_KINDS = ("1d", "2d")
 
