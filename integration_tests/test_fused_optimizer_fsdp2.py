@@ -130,9 +130,14 @@ def _seen_in_hook(opt: torch.optim.Optimizer) -> dict[str, Any]:
     sd = opt.state_dict()
     return {
         "flags": [(g.get("fused"), g.get("foreach")) for g in sd["param_groups"]],
-        "dtensor_params": all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]),
+        "dtensor_params": all(
+            isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]
+        ),
         "dtensor_state": all(
-            isinstance(v, DTensor) for st in sd["state"].values() for k, v in st.items() if k != "step"
+            isinstance(v, DTensor)
+            for st in sd["state"].values()
+            for k, v in st.items()
+            if k != "step"
         ),
         "entries": len(sd["state"]),
     }

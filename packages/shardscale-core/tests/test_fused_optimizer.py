@@ -112,7 +112,9 @@ def _kernels() -> Iterator[set[str]]:
     ran: set[str] = set()
 
     class _Seen(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
             name = func.overloadpacket.__name__
             if name.startswith("_fused_"):
                 ran.add(name)
@@ -590,7 +592,11 @@ def test_a_step_pre_hook_on_a_plain_step_keeps_torchs_exact_numbers(name: str) -
     ref_params, ref_seen, ref_scales, _ = _hooked_run(name, False)
     assert scales == ref_scales
     # torch's unscale kernel on both sides (the fold is refused): bit for bit.
-    assert all(torch.equal(g, r) for s, t in zip(seen, ref_seen, strict=True) for g, r in zip(s, t, strict=True))
+    assert all(
+        torch.equal(g, r)
+        for s, t in zip(seen, ref_seen, strict=True)
+        for g, r in zip(s, t, strict=True)
+    )
     assert all(torch.equal(p, q) for p, q in zip(params, ref_params, strict=True))
 
 
@@ -634,3 +640,24 @@ def test_a_state_dict_taken_in_a_post_hook_records_the_users_flags(name: str) ->
     other = OPTIMIZERS[name](_params())
     other.load_state_dict(saved[-1])
     assert not other.param_groups[0]["fused"]
+
+
+def test_a_copied_or_pickled_scaler_checks_again() -> None:
+    import pickle
+
+    steps = _grads()
+    params = _params()
+    opt = torch.optim.SGD(params, lr=LR)
+    scaler = ShardedGradScaler("cpu", backend="local", fuse_optimizer=True, **SCALER_KW)
+    _set_grads(params, steps[1], scaler.get_scale())
+    scaler.unscale_(opt, max_norm=1e9)
+    scaler.step(opt)
+    scaler.update()
+    for copied in (copy.deepcopy(scaler), pickle.loads(pickle.dumps(scaler))):
+        _set_grads(params, steps[2], copied.get_scale())
+        copied.unscale_(opt, max_norm=1e9)
+        assert copied._per_optimizer_states[id(opt)].folded
+        with _kernels() as ran:
+            copied.step(opt)
+        assert ran == {"_fused_sgd_"}
+        copied.update()

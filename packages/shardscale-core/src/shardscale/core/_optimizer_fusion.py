@@ -67,6 +67,8 @@ the same local-shard run (:meth:`FusionChecks.local`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import inspect
 import itertools
 import operator
@@ -133,6 +135,7 @@ def _dtensor_has_rule(op_name: str) -> bool:
 _DTYPE = operator.attrgetter("dtype")
 _GRAD = operator.attrgetter("grad")
 _SPARSE = operator.attrgetter("is_sparse")
+_PRESENT = functools.partial(operator.is_not, None)
 _DEVICE = operator.attrgetter("device")
 _PRE_HOOKS = "_optimizer_step_pre_hooks"
 _POST_HOOKS = "_optimizer_step_post_hooks"
@@ -145,8 +148,10 @@ def _state_key(optimizer: torch.optim.Optimizer) -> str | None:
     return "step"
 
 
-def _signature(optimizer: torch.optim.Optimizer) -> tuple[Any, ...] | None:
-    """Everything :func:`_checked`'s answer reads, in bulk (C-level maps, no Python per tensor).
+def _signature(optimizer: torch.optim.Optimizer) -> tuple[tuple[Any, ...] | None, list[Any]]:
+    """Everything :func:`_refusal` and :func:`_runs_local` read, in bulk; and the parameters.
+
+    C-level maps, no Python per tensor:
 
     * the class, the groups' flags the refusal reads, and each group's list;
     * each parameter: its identity (a list edited in place), class (DTensor or
@@ -157,7 +162,8 @@ def _signature(optimizer: torch.optim.Optimizer) -> tuple[Any, ...] | None:
       refusal reads (SGD's momentum buffer, Adam's step counter: replaced by
       ``load_state_dict`` or by hand).
 
-    None when the state holds something that is not a dict (no cache then).
+    None (no signature: nothing is remembered) when the state holds something
+    that is not a dict.
     """
     groups = optimizer.param_groups
     params = list(itertools.chain.from_iterable([g["params"] for g in groups]))
@@ -168,8 +174,8 @@ def _signature(optimizer: torch.optim.Optimizer) -> tuple[Any, ...] | None:
         lengths = list(map(len, entries))
         read = [] if key is None else list(map(id, map(dict.get, entries, itertools.repeat(key))))
     except TypeError:
-        return None
-    return (
+        return None, params
+    signature = (
         type(optimizer),
         id(state),
         tuple(
@@ -184,6 +190,7 @@ def _signature(optimizer: torch.optim.Optimizer) -> tuple[Any, ...] | None:
         lengths,
         read,
     )
+    return signature, params
 
 
 def step_hooks(optimizer: torch.optim.Optimizer) -> bool:
@@ -196,61 +203,85 @@ def step_hooks(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
+@dataclasses.dataclass(slots=True)
+class _Answer:
+    signature: tuple[Any, ...]
+    refusal: str | None  # what the signature's contents decide
+    local: bool
+    token: object  # the owner's iteration the signature was compared in
+    grads: str | None  # the gradients' refusal in that iteration
+    grads_token: object  # the iteration the gradients were checked in
+
+
 class FusionChecks:
     """Whether optimizers can run through torch's fused kernel, remembered per optimizer by its owner.
 
     The per-parameter checks (:func:`_refusal`) run again whenever anything
-    they read changed (:func:`_signature`, compared in bulk on every call);
-    what changes on every step is checked on every call: registered step
-    hooks, and the gradients (sparse, or of another dtype than their
-    parameter). A scaler holds one: nothing is shared between owners.
+    they read changed (:func:`_signature`, compared in bulk). Within one
+    iteration of the owner (``token``: the scaler's per-iteration record of
+    the optimizer, new after every ``update()``) the answer is reused between
+    ``unscale_`` and ``step``; each new iteration compares the signature again
+    and checks the gradients (sparse, or of another dtype than their
+    parameter), which change every step. Registered step hooks are looked at
+    on every call. A scaler holds one: nothing is shared between owners.
     Copying or pickling gives an empty one (the answers are found again).
     """
 
     __slots__ = ("_table",)
 
     def __init__(self) -> None:
-        self._table: weakref.WeakKeyDictionary[
-            torch.optim.Optimizer, tuple[tuple[Any, ...], str | None, bool]
-        ] = weakref.WeakKeyDictionary()
+        self._table: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Answer] = (
+            weakref.WeakKeyDictionary()
+        )
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {}
+    def __reduce__(self) -> tuple[type[FusionChecks], tuple[()]]:
+        return FusionChecks, ()  # a copy starts empty: weak references do not copy
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()  # type: ignore[misc]
-
-    def refusal(self, optimizer: torch.optim.Optimizer) -> str | None:
+    def refusal(self, optimizer: torch.optim.Optimizer, token: object = None) -> str | None:
         """Why ``optimizer``'s step cannot run through torch's fused kernel now (None: it can).
 
         See [Note: the apply folded into the optimizer] for the rules.
         """
         if step_hooks(optimizer):
             return STEP_HOOKS
-        refusal, _ = self._checked(optimizer)
-        return refusal if refusal is not None else _grad_refusal(optimizer)
+        answer, params = self._answer(optimizer, token)
+        if answer.refusal is not None:
+            return answer.refusal
+        if token is None or answer.grads_token is not token:
+            if params is None:
+                params = list(
+                    itertools.chain.from_iterable([g["params"] for g in optimizer.param_groups])
+                )
+            dtypes = answer.signature[5] if answer.signature else None
+            answer.grads, answer.grads_token = _grad_refusal(params, dtypes), token
+        return answer.grads
 
-    def local(self, optimizer: torch.optim.Optimizer) -> bool:
+    def local(self, optimizer: torch.optim.Optimizer, token: object = None) -> bool:
         """Whether :func:`fused_kernel_step` runs ``optimizer`` on DTensors' local shards."""
-        refusal, local = self._checked(optimizer)
-        return refusal is None and local
+        answer, _ = self._answer(optimizer, token)
+        return answer.refusal is None and answer.local
 
-    def _checked(self, optimizer: torch.optim.Optimizer) -> tuple[str | None, bool]:
-        signature = _signature(optimizer)
-        cached = self._table.get(optimizer)
-        if signature is not None and cached is not None and cached[0] == signature:
-            return cached[1], cached[2]
-        refusal, local = _refusal(optimizer), _runs_local(optimizer)
+    def _answer(
+        self, optimizer: torch.optim.Optimizer, token: object
+    ) -> tuple[_Answer, list[Any] | None]:
+        answer = self._table.get(optimizer)
+        if answer is not None and token is not None and answer.token is token:
+            return answer, None  # compared in this iteration already
+        signature, params = _signature(optimizer)
+        if answer is None or signature is None or answer.signature != signature:
+            answer = _Answer((), _refusal(optimizer), _runs_local(optimizer), None, None, None)
         if signature is not None:
-            self._table[optimizer] = (signature, refusal, local)
-        return refusal, local
+            answer.signature, answer.token = signature, token
+            self._table[optimizer] = answer
+        return answer, params
 
 
 def fusion_refusal(optimizer: torch.optim.Optimizer) -> str | None:
     """:meth:`FusionChecks.refusal` without remembering anything (every check runs)."""
     if step_hooks(optimizer):
         return STEP_HOOKS
-    return _refusal(optimizer) or _grad_refusal(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return _refusal(optimizer) or _grad_refusal(params)
 
 
 def _runs_local(optimizer: torch.optim.Optimizer) -> bool:
@@ -264,14 +295,16 @@ def _runs_local(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
-def _grad_refusal(optimizer: torch.optim.Optimizer) -> str | None:
-    """The gradients' part of the refusal (they change every step), in bulk."""
-    params = list(itertools.chain.from_iterable([g["params"] for g in optimizer.param_groups]))
+def _grad_refusal(params: list[Any], dtypes: list[torch.dtype] | None = None) -> str | None:
+    """The gradients' part of the refusal (they change every step), in bulk.
+
+    ``dtypes``: the parameters' dtypes, where the caller has them already.
+    """
     grads = list(map(_GRAD, params))
-    if any(map(operator.is_, grads, itertools.repeat(None))):
-        pairs = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
-        params, grads = [p for p, _ in pairs], [g for _, g in pairs]
-    if any(map(_SPARSE, grads)) or list(map(_DTYPE, grads)) != list(map(_DTYPE, params)):
+    present = list(filter(_PRESENT, grads))
+    if dtypes is None or len(present) != len(grads):
+        dtypes = [p.dtype for p, g in zip(params, grads, strict=True) if g is not None]
+    if any(map(_SPARSE, present)) or list(map(_DTYPE, present)) != dtypes:
         return "a gradient is sparse or of another dtype than its parameter"
     return None
 

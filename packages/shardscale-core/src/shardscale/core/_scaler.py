@@ -713,7 +713,7 @@ class ShardedGradScaler:
         wanted = self._fuse_optimizer if choice is None else choice
         if not wanted or getattr(optimizer, "_step_supports_amp_scaling", False):
             return False, None
-        why = self._fusion.refusal(optimizer)
+        why = self._fusion.refusal(optimizer, self._opt_state(optimizer))
         if why is None:
             return True, None
         if why in PASSING:
@@ -1011,7 +1011,7 @@ class ShardedGradScaler:
         found_inf = state.found_inf(scale.device)
         if found_inf is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        local = self._fusion.local(optimizer)
+        local = self._fusion.local(optimizer, state)
         if fold or local:
             # Folded, or natively fused over DTensors: torch's kernel (on the local shards).
             retval = fused_kernel_step(
