@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         args.layers, args.width, args.repeats = 1, 16, 1
     import torch
 
-    from shardscale.core import Apply, StepConfig, get_registry, run_step
+    from shardscale.core import Apply, StepConfig, StepRequest, get_registry, run_step
 
     device = "cpu" if args.interpret else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -112,11 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             "step (unscale+clip)": lambda c=config: run_step(
                 grads,
                 c,
-                apply=Apply.MULTIPLY,
-                norm_type=2.0,
-                max_norm=1.0,
-                scale=scale,
-                as_grads=True,
+                StepRequest(
+                    apply=Apply.MULTIPLY, norm_type=2.0, max_norm=1.0, scale=scale, as_grads=True
+                ),
             ),
         }
         for label, fn in cases.items():

@@ -40,9 +40,9 @@ def _case() -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from shardscale.core import Apply, StepConfig, get_registry, run_step
-    from shardscale.core._gradients import Trace, _collect_each, collect_grads
-    from shardscale.core._step_plan import forget_plans, plans_of
+    from shardscale.core import Apply, StepConfig, StepRequest, get_registry, run_step
+    from shardscale.core.step._collect import Trace, _collect_each, collect_grads
+    from shardscale.core.step._plan import forget_plans, plans_of
 
     rank, world = dist.get_rank(), dist.get_world_size()
     flat = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
@@ -139,8 +139,8 @@ def _case() -> dict[str, Any]:
 
     def step() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
         result = run_step(
-            params, config, apply=Apply.MULTIPLY, norm_type=2.0, max_norm=1.0,
-            scale=torch.tensor(SCALE),
+            params, config, StepRequest(apply=Apply.MULTIPLY, norm_type=2.0, max_norm=1.0,
+            scale=torch.tensor(SCALE)),
         )  # fmt: skip
         assert result.norm is not None
         after = [None if g is None else g.clone() for g in local_grads()]

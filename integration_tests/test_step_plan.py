@@ -70,11 +70,11 @@ def _locals(params: list[nn.Parameter]) -> list[torch.Tensor | None]:
 
 
 def _run(params: list[nn.Parameter], config: Any) -> tuple[float, float, list[Any]]:
-    from shardscale.core import Apply, run_step
+    from shardscale.core import Apply, StepRequest, run_step
 
     result = run_step(
-        params, config, apply=Apply.MULTIPLY, norm_type=2.0, max_norm=0.5,
-        scale=torch.tensor(SCALE),
+        params, config, StepRequest(apply=Apply.MULTIPLY, norm_type=2.0, max_norm=0.5,
+        scale=torch.tensor(SCALE)),
     )  # fmt: skip
     assert result.norm is not None
     grads = [None if g is None else g.clone() for g in _locals(params)]
@@ -82,7 +82,7 @@ def _run(params: list[nn.Parameter], config: Any) -> tuple[float, float, list[An
 
 
 def _warm_and_cold(params: list[nn.Parameter], config: Any) -> dict[str, Any]:
-    from shardscale.core._step_plan import forget_plans, plans_of
+    from shardscale.core.step._plan import forget_plans, plans_of
 
     saved = [None if g is None else g.clone() for g in _locals(params)]
     uses = sum(plan.uses for plan in plans_of(params[0]))

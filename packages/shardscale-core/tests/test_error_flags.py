@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from shardscale.core import VectorLayout
-from shardscale.core._step_arith import probe, reason_into
-from shardscale.core._step_errors import ERROR_KINDS, ErrorBlocks, fingerprint
-from shardscale.core._step_vector import pack_status, unpack_status
-from shardscale.core._verdict import SkipReason
+from shardscale.core.step._arith import probe, reason_into
+from shardscale.core.step._errors import ERROR_KINDS, ErrorBlocks, fingerprint
+from shardscale.core.step._vector import pack_status, unpack_status
+from shardscale.core.step._verdict import SkipReason
 
 WORLD = 5
 

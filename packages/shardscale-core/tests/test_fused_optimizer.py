@@ -25,7 +25,7 @@ from torch.optim.optimizer import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardscale.core import ShardedGradScaler
-from shardscale.core._optimizer_fusion import fusion_refusal
+from shardscale.core.scaler._optimizer_fusion import fusion_refusal
 
 SHAPES = ((16, 12), (16,), (4, 16), (4,))
 STEPS = 6
@@ -432,7 +432,7 @@ def test_state_cleared_in_place_then_an_overflow_matches_torchs_recipe(name: str
 def test_the_checks_notice_each_change_they_depend_on() -> None:
     # Each change below alters what the per-parameter checks read; the owner's remembered
     # answer must follow (compared with the checks run afresh) without any other change.
-    from shardscale.core._optimizer_fusion import (
+    from shardscale.core.scaler._optimizer_fusion import (
         FIRST_MOMENTUM_STEP,
         STEP_HOOKS,
         FusionChecks,

@@ -23,6 +23,7 @@ from shardscale.core import (
     OptState,
     ShardedGradScaler,
     StepConfig,
+    StepRequest,
     get_registry,
     hookimpl,
     run_step,
@@ -178,25 +179,29 @@ def test_last_step_skipped_is_a_device_flag_and_a_schedule_can_ignore_skips() ->
 def test_run_step_directly_on_plain_tensors() -> None:
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(n, generator=gen) for n in (3, 50, 7)]
-    result = run_step(grads, _config(), apply=Apply.NOTHING, norm_type=2.0, as_grads=True)
+    result = run_step(
+        grads, _config(), StepRequest(apply=Apply.NOTHING, norm_type=2.0, as_grads=True)
+    )
     exact = math.sqrt(math.fsum(v * v for g in grads for v in g.double().tolist()))
     assert result.norm is not None and result.norm.dtype is torch.float32
     # float32 accumulation of 60 squares: within (n + 8) ulps of the exact value.
     assert abs(float(result.norm) - exact) <= 68 * torch.finfo(torch.float32).eps * exact
     assert float(result.found_inf) == 0.0 and result.nonfinite_ranks() == ()
     grads[1][5] = math.nan
-    result = run_step(grads, _config(), apply=Apply.NOTHING, norm_type=2.0, as_grads=True)
+    result = run_step(
+        grads, _config(), StepRequest(apply=Apply.NOTHING, norm_type=2.0, as_grads=True)
+    )
     assert float(result.found_inf) == 1.0 and math.isnan(float(result.norm))  # type: ignore[arg-type]
     assert result.nonfinite_ranks() == (0,)
 
 
 def test_run_step_refuses_what_it_cannot_do() -> None:
     with pytest.raises(ValueError, match="needs the scale"):
-        run_step([], _config(), apply=Apply.UNSCALE)
+        run_step([], _config(), StepRequest(apply=Apply.UNSCALE))
     meta = torch.nn.Parameter(torch.empty(2, device="meta"))
     meta.grad = torch.empty(2, device="meta")
     with pytest.raises(GradientDeviceError, match="meta"):
-        run_step([meta], _config(), apply=Apply.NOTHING, norm_type=2.0)
+        run_step([meta], _config(), StepRequest(apply=Apply.NOTHING, norm_type=2.0))
 
 
 def test_fsdp1_marked_parameters_are_not_plain() -> None:
@@ -278,7 +283,9 @@ def test_overflow_safe_kernels_are_read_once_for_every_p(dtype: torch.dtype) -> 
         try:
             for p in (3.0, 2.0):
                 kernels.calls.clear()
-                result = run_step(grads, _config(), apply=Apply.NOTHING, norm_type=p, as_grads=True)
+                result = run_step(
+                    grads, _config(), StepRequest(apply=Apply.NOTHING, norm_type=p, as_grads=True)
+                )
                 norms[(safe, p)] = float(result.norm)  # type: ignore[arg-type]
                 plain = p == 2.0
                 assert kernels.calls == ([p] if safe or plain else [math.inf, p])
@@ -307,7 +314,7 @@ def test_the_reduced_vector_note_names_the_layouts_blocks_in_order() -> None:
     import re
 
     from shardscale.core import VectorLayout
-    from shardscale.core import _step_engine as engine
+    from shardscale.core.step import _engine as engine
 
     doc = engine.__doc__ or ""
     # The note itself (a header on its own line), not the mentions of it.
@@ -330,7 +337,7 @@ def test_the_reduced_vector_note_names_the_layouts_blocks_in_order() -> None:
 
 def test_errors_are_classified_by_type_not_by_message() -> None:
     from shardscale.core import DeclarationError, GradientDtypeError, LayoutError
-    from shardscale.core._step_errors import ERROR_KINDS, error_code
+    from shardscale.core.step._errors import ERROR_KINDS, error_code
 
     def code_of(kind: type[BaseException]) -> int:
         return next(i for i, (k, _) in enumerate(ERROR_KINDS, start=1) if k is kind)
@@ -350,4 +357,4 @@ def test_an_integer_gradient_is_a_gradient_dtype_error() -> None:
     p = torch.zeros(3, dtype=torch.int64)
     p.grad = torch.ones(3, dtype=torch.int64)
     with pytest.raises(GradientDtypeError, match="real floating point"):
-        run_step([p], _config(), apply=Apply.NOTHING, norm_type=2.0)
+        run_step([p], _config(), StepRequest(apply=Apply.NOTHING, norm_type=2.0))

@@ -17,9 +17,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from shardscale.core import Apply, StepConfig, get_registry, run_step
-from shardscale.core._aliasing import AliasedGradientError
-from shardscale.core._step_plan import plans_of
+from shardscale.core import Apply, StepConfig, StepRequest, get_registry, run_step
+from shardscale.core.step._aliasing import AliasedGradientError
+from shardscale.core.step._plan import plans_of
 
 SCALE = 1024.0
 
@@ -50,8 +50,8 @@ def _copy(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
 
 def _step(params: list[torch.nn.Parameter], config: StepConfig) -> tuple[torch.Tensor, ...]:
     result = run_step(
-        params, config, apply=Apply.MULTIPLY, norm_type=2.0, max_norm=0.5,
-        scale=torch.tensor(SCALE),
+        params, config, StepRequest(apply=Apply.MULTIPLY, norm_type=2.0, max_norm=0.5,
+        scale=torch.tensor(SCALE)),
     )  # fmt: skip
     assert result.norm is not None
     return result.norm, result.found_inf

@@ -229,7 +229,7 @@ def test_the_threshold_through_the_window_filling_equals_the_reference(
     """Norms just below and just above the documented threshold, at every count from empty
     to a full and turning window: the window's statistics (one var_mean and coefficients per
     count) match statistics.fmean/stdev of the held norms to within their rounding."""
-    from shardscale.core._verdict import SpikeWindow
+    from shardscale.core.step._verdict import SpikeWindow
 
     window = SpikeWindow(SpikeSkip(**policy))
     window.materialize(torch.device("cpu"))

@@ -265,7 +265,7 @@ def test_cuda_engine_step_launches_each_kernel_once() -> None:
         pytest.skip("needs a CUDA device")
     from torch.profiler import ProfilerActivity, profile
 
-    from shardscale.core import Apply, StepConfig, get_registry, run_step
+    from shardscale.core import Apply, StepConfig, StepRequest, get_registry, run_step
 
     registry = get_registry()
     assert registry.kernels_for(torch.device("cuda")).name == "triton"
@@ -278,11 +278,9 @@ def test_cuda_engine_step_launches_each_kernel_once() -> None:
         return run_step(
             grads,
             config,
-            apply=Apply.MULTIPLY,
-            norm_type=2.0,
-            max_norm=1.0,
-            scale=scale,
-            as_grads=True,
+            StepRequest(
+                apply=Apply.MULTIPLY, norm_type=2.0, max_norm=1.0, scale=scale, as_grads=True
+            ),
         )
 
     step()  # compile and self-check first

@@ -2,7 +2,7 @@
 
 Each op is a kernel launch on a GPU (~5 us of host time), whatever the model's size, so the
 engine's bookkeeping is held to a budget (see [Note: the step's fixed cost] in
-``shardscale.core._step_arith``). Counted with the benchmark's own counter (top-level aten ops
+``shardscale.core.step._arith``). Counted with the benchmark's own counter (top-level aten ops
 on the CPU), one warm step of unscale + clip + fused AdamW step + update over 16 parameters;
 the optimizer's own kernels are inside its profiler scope on both sides.
 """
@@ -18,7 +18,7 @@ from shardscale.cli.bench._launches import count_launches
 
 #: What each stage of our default step (fused AdamW, ``unscale_and_clip_`` with p = 2, one
 #: rank, the telemetry plugin's observer registered) must dispatch, stage by stage; see
-#: [Note: the step's fixed cost] in ``shardscale.core._step_arith``.
+#: [Note: the step's fixed cost] in ``shardscale.core.step._arith``.
 STAGES = {
     # Sixteen small CPU gradients are read through one flat copy and a segmented sum
     # (``shardscale.core._foreach_kernels``: 10 ops where ``_foreach_norm`` is 2, but faster on
@@ -51,7 +51,7 @@ DEFAULT_CEILING = sum(STAGES.values())
 #: var_mean over the ring (clamp the count, var_mean, two takes of the per-count
 #: coefficients, the mean, two addcmul and a clamp for the spread, sqrt, one addcmul), its
 #: flag (gt, weighed in the reason's amax), and the window fed after the verdict (remainder,
-#: two index_put_); see [Note: the spike window in few ops] in ``shardscale.core._verdict``.
+#: two index_put_); see [Note: the spike window in few ops] in ``shardscale.core.step._verdict``.
 SPIKE_CEILING = 15
 #: Ours against torch's count for the same step: the segmented read's 9 extra ops and the
 #: verdict torch does not give (reason, spike slot, per-rank vector, error read) are the margin.

@@ -19,6 +19,7 @@ from shardscale.core import (
     CollectiveBackend,
     Registry,
     StepConfig,
+    StepRequest,
     check_distinct_dims,
     check_error_if_nonfinite,
     clip_parameters_,
@@ -138,10 +139,9 @@ def get_total_norm(
     result = run_step(
         items,
         config,
-        apply=Apply.NOTHING,
-        norm_type=norm_type,
-        as_grads=True,
-        nonfinite_error=nonfinite,
+        StepRequest(
+            apply=Apply.NOTHING, norm_type=norm_type, as_grads=True, nonfinite_error=nonfinite
+        ),
     )
     assert result.norm is not None
     return result.norm.to(norm_dtype(items))

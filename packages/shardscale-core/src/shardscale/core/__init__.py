@@ -14,22 +14,7 @@ Quick start::
 
 from __future__ import annotations
 
-from shardscale.core._aliasing import AliasedGradientError
 from shardscale.core._blas_kernels import BlasDotKernels
-from shardscale.core._clipping import clip_parameters_, norm_dtype
-from shardscale.core._contract import (
-    check_distinct_dims,
-    check_error_if_nonfinite,
-    check_kernels,
-    check_loss_scaling,
-    check_max_consecutive_skips,
-    check_max_norm,
-    check_norm_type,
-    check_spike,
-    distinct_param_ids,
-    kernels_name,
-    nonfinite_norm_error,
-)
 from shardscale.core._ema import update_averaged_model
 from shardscale.core._errors import (
     BackendUnavailableError,
@@ -44,10 +29,8 @@ from shardscale.core._errors import (
     SkipStreakError,
 )
 from shardscale.core._foreach_kernels import ForeachKernels
-from shardscale.core._gradients import GradBuckets, collect_grads, optimizer_params
 from shardscale.core._held_scheduler import DeferredStep, SkipAwareScheduler
 from shardscale.core._hookspecs import ENTRY_POINT_GROUP, HOOK_KINDS, PROJECT, hookimpl
-from shardscale.core._iteration import Iteration, step_and_flag
 from shardscale.core._lazy import lazy_exports
 from shardscale.core._local import LocalBackend
 from shardscale.core._loop_kernels import LoopKernels
@@ -62,7 +45,6 @@ from shardscale.core._lr_schedule import (
     WarmupSchedule,
 )
 from shardscale.core._middleware_base import MiddlewareBase
-from shardscale.core._overflow import OverflowReport
 from shardscale.core._plain_adapter import PlainTensorAdapter, is_fsdp1_param
 from shardscale.core._protocols import (
     AdapterContext,
@@ -87,9 +69,11 @@ from shardscale.core._registry import (
     get_registry,
     reset_registry,
 )
-from shardscale.core._scaler import OptState, ScalerStateError, ShardedGradScaler
 from shardscale.core._skip_signal import SkipSource
-from shardscale.core._step_engine import (
+from shardscale.core.scaler._iteration import Iteration, step_and_flag
+from shardscale.core.scaler._overflow import OverflowReport
+from shardscale.core.scaler._scaler import OptState, ScalerStateError, ShardedGradScaler
+from shardscale.core.step import (
     EPS,
     Apply,
     GradientDeviceError,
@@ -102,8 +86,24 @@ from shardscale.core._step_engine import (
     read_tensor_norm,
     run_step,
 )
-from shardscale.core._step_vector import VectorLayout
-from shardscale.core._verdict import SkipReason, SpikeSkip
+from shardscale.core.step._aliasing import AliasedGradientError
+from shardscale.core.step._clip import clip_parameters_, norm_dtype
+from shardscale.core.step._collect import GradBuckets, collect_grads, optimizer_params
+from shardscale.core.step._contract import (
+    check_distinct_dims,
+    check_error_if_nonfinite,
+    check_kernels,
+    check_loss_scaling,
+    check_max_consecutive_skips,
+    check_max_norm,
+    check_norm_type,
+    check_spike,
+    distinct_param_ids,
+    kernels_name,
+    nonfinite_norm_error,
+)
+from shardscale.core.step._vector import VectorLayout
+from shardscale.core.step._verdict import SkipReason, SpikeSkip
 
 __all__ = [
     # the scaler

@@ -271,7 +271,7 @@ def _params(rank: int, cfg: SimConfig, mesh: Any) -> list[torch.nn.Parameter]:
 
 
 def _step(params: list[torch.nn.Parameter], backend: SimBackend, cfg: SimConfig) -> Any:
-    from shardscale.core import Apply, StepConfig, get_registry, run_step
+    from shardscale.core import Apply, StepConfig, StepRequest, get_registry, run_step
 
     config = StepConfig(backend=backend, registry=get_registry())  # type: ignore[arg-type]
     # The fused-optimizer path: found_inf, norm, clip coefficient and grad_scale all decided,
@@ -279,11 +279,13 @@ def _step(params: list[torch.nn.Parameter], backend: SimBackend, cfg: SimConfig)
     return run_step(
         params,
         config,
-        apply=Apply.FUSED,
-        norm_type=cfg.norm_type,
-        max_norm=cfg.max_norm,
-        scale=torch.tensor(SCALE),
-        defer_errors=True,
+        StepRequest(
+            apply=Apply.FUSED,
+            norm_type=cfg.norm_type,
+            max_norm=cfg.max_norm,
+            scale=torch.tensor(SCALE),
+            defer_errors=True,
+        ),
     )
 
 

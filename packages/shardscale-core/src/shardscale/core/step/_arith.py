@@ -14,7 +14,7 @@ bookkeeping is written to a budget (``test_step_op_budget``), stage by stage:
   comparison of the reduced vector with a cached *expected* vector (0 for
   counts, this rank's own ``status`` for the status block), so one ``ne``,
   one weighted product and one ``amax`` give the step's
-  :class:`~shardscale.core._verdict.SkipReason` (:func:`reason_into`);
+  :class:`~shardscale.core.step._verdict.SkipReason` (:func:`reason_into`);
 * **norm** (a few ops, :func:`global_norm`): the blocks are views of one
   ``split``; no clamp is needed because every rank's peak slot is floored;
 * **outputs**: the float32 results (``found_inf``, ``skip``, ``coef``) are
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardscale.core._step_vector import VectorLayout
+from shardscale.core.step._vector import VectorLayout
 
 __all__ = [
     "TINY64",

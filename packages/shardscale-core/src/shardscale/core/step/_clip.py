@@ -12,8 +12,9 @@ import warnings
 
 import torch
 
-from shardscale.core._contract import check_error_if_nonfinite, nonfinite_norm_error
-from shardscale.core._step_engine import Apply, StepConfig, run_step
+from shardscale.core.step._contract import check_error_if_nonfinite, nonfinite_norm_error
+from shardscale.core.step._engine import run_step
+from shardscale.core.step._types import Apply, StepConfig, StepRequest
 
 __all__ = ["clip_parameters_", "norm_dtype"]
 
@@ -70,10 +71,9 @@ def clip_parameters_(
     result = run_step(
         params,
         config,
-        apply=Apply.MULTIPLY,
-        norm_type=norm_type,
-        max_norm=max_norm,
-        nonfinite_error=nonfinite,
+        StepRequest(
+            apply=Apply.MULTIPLY, norm_type=norm_type, max_norm=max_norm, nonfinite_error=nonfinite
+        ),
     )
     assert result.norm is not None
     _warn_if_no_grads(params)

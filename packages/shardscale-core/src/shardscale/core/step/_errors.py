@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from shardscale.core._aliasing import AliasedGradientError
 from shardscale.core._errors import (
     BackendUnavailableError,
     DeclarationError,
@@ -43,8 +42,9 @@ from shardscale.core._errors import (
     PluginNotFoundError,
     ShardscaleError,
 )
-from shardscale.core._host_copy import HostCopy
-from shardscale.core._step_vector import VectorLayout, unpack_status
+from shardscale.core.step._aliasing import AliasedGradientError
+from shardscale.core.step._host_copy import HostCopy
+from shardscale.core.step._vector import VectorLayout, unpack_status
 
 if TYPE_CHECKING:
     from shardscale.core._protocols import CollectiveBackend

@@ -9,7 +9,7 @@ machine (READY → UNSCALED → STEPPED, reset by ``update``) and the errors for
 misuse follow torch's. What differs is only *where* found_inf comes from:
 every path into ``step`` -- ``unscale_``, ``unscale_(..., max_norm=...)``, a
 fused optimizer's check without ``unscale_`` -- is one call of the step engine
-(``shardscale.core._step_engine``, [Note: one step, top to bottom]), which
+(``shardscale.core.step._engine``, [Note: one step, top to bottom]), which
 reads every local gradient and reduces in ONE collective over the scaler's
 process group, so every rank decides the same way whatever layout its
 parameters have. This module keeps the state machine and the scale.
@@ -34,31 +34,18 @@ from typing import TYPE_CHECKING, Any, overload
 import torch
 from torch.amp.grad_scaler import OptState
 
-from shardscale.core._clipping import clip_parameters_
-from shardscale.core._contract import (
-    check_distinct_dims,
-    check_kernels,
-    check_loss_scaling,
-    check_max_consecutive_skips,
-    check_max_norm,
-    check_norm_type,
-    check_spike,
-    distinct_param_ids,
-    kernels_name,
-)
 from shardscale.core._errors import DeclarationError
-from shardscale.core._gradients import optimizer_params
-from shardscale.core._optimizer_fusion import (
+from shardscale.core._protocols import AdapterContext, CollectiveBackend, StepRecord
+from shardscale.core._registry import Registry, get_registry
+from shardscale.core.scaler._optimizer_fusion import (
     PASSING,
     FusionChecks,
     fused_kernel_step,
     step_hooks,
     unfold_gradients_,
 )
-from shardscale.core._overflow import OverflowReport, build_overflow_report
-from shardscale.core._protocols import AdapterContext, CollectiveBackend, StepRecord
-from shardscale.core._registry import Registry, get_registry
-from shardscale.core._scaler_values import (
+from shardscale.core.scaler._overflow import OverflowReport, build_overflow_report
+from shardscale.core.scaler._values import (
     DEFAULT_INIT_SCALE,
     FLOAT32_TINY,
     ScalerStateError,
@@ -73,15 +60,29 @@ from shardscale.core._scaler_values import (
     validate_scale,
     validate_state_dict,
 )
-from shardscale.core._step_engine import (
+from shardscale.core.step import (
     Apply,
     PrecomputedNorms,
     StepConfig,
+    StepRequest,
     StepResult,
     poll_errors,
     run_step,
 )
-from shardscale.core._verdict import (
+from shardscale.core.step._clip import clip_parameters_
+from shardscale.core.step._collect import optimizer_params
+from shardscale.core.step._contract import (
+    check_distinct_dims,
+    check_kernels,
+    check_loss_scaling,
+    check_max_consecutive_skips,
+    check_max_norm,
+    check_norm_type,
+    check_spike,
+    distinct_param_ids,
+    kernels_name,
+)
+from shardscale.core.step._verdict import (
     SkipReason,
     SkipStreak,
     SpikeSkip,
@@ -156,7 +157,7 @@ class _OptimizerState(dict[str, Any]):
         self.record_verdict(result)
         self.grad_scale = grad_scale
         self.stage = OptState.UNSCALED
-        self.pending = result if result._complete is not None else None
+        self.pending = result if result.is_pending else None
 
     def found_inf(self, device: torch.device) -> torch.Tensor | None:
         """The flags summed on ``device`` and capped at 1 (fused optimizers skip only at 1)."""
@@ -632,14 +633,16 @@ class ShardedGradScaler:
         result = run_step(
             optimizer_params(optimizer),
             config,
-            apply=apply,
-            scale=options.pop("scale", self._scale),
-            scale_device_type=self._device,
-            defer_errors=defer_errors,
-            refusal=refusal,
-            verdict=self._verdict(),
-            loss_nonfinite=self._loss_flag,
-            **options,
+            StepRequest(
+                apply=apply,
+                scale=options.pop("scale", self._scale),
+                scale_device_type=self._device,
+                defer_errors=defer_errors,
+                refusal=refusal,
+                verdict=self._verdict(),
+                loss_nonfinite=self._loss_flag,
+                **options,
+            ),
         )
         self._iteration.append((weakref.ref(optimizer), result))
         return result

@@ -30,7 +30,7 @@ import torch
 
 if TYPE_CHECKING:
     from shardscale.core._registry import Registry
-    from shardscale.core._verdict import SpikeSkip
+    from shardscale.core.step._verdict import SpikeSkip
 
 __all__ = [
     "ALL_RANKS",
@@ -215,7 +215,7 @@ def check_loss_scaling(value: object) -> bool:
 
 def check_spike(value: object) -> SpikeSkip | None:
     """``spike`` must be a :class:`~shardscale.core.SpikeSkip` (its fields check themselves) or None."""
-    from shardscale.core._verdict import SpikeSkip
+    from shardscale.core.step._verdict import SpikeSkip
 
     if value is None or isinstance(value, SpikeSkip):
         return value

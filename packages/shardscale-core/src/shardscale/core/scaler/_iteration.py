@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from shardscale.core._gradients import optimizer_params
-from shardscale.core._scaler import ShardedGradScaler
+from shardscale.core.scaler._scaler import ShardedGradScaler
+from shardscale.core.step._collect import optimizer_params
 
 __all__ = ["Iteration", "step_and_flag"]
 

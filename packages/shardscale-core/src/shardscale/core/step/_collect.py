@@ -191,7 +191,7 @@ def collect_grads(
     report) takes the walk that asks each parameter's adapter, which names
     the problem exactly as it always did.
     """
-    from shardscale.core._layout_groups import collect_by_layout  # it builds on this module
+    from shardscale.core.step._layout_groups import collect_by_layout  # it builds on this module
 
     params = params if isinstance(params, list) else list(params)
     bulk = collect_by_layout(

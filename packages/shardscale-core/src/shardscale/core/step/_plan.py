@@ -52,7 +52,7 @@ from typing import Any, cast
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardscale.core._gradients import GradBuckets, Trace, dtensor_type
+from shardscale.core.step._collect import GradBuckets, Trace, dtensor_type
 
 __all__ = [
     "StepPlan",

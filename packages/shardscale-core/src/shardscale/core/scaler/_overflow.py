@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardscale.core._verdict import SkipReason
+from shardscale.core.step._verdict import SkipReason
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from shardscale.core._step_engine import StepResult
+    from shardscale.core.step._types import StepResult
 
 __all__ = ["OverflowReport", "build_overflow_report"]
 

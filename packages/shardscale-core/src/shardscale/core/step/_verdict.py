@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from shardscale.core._errors import SkipStreakError
-from shardscale.core._host_copy import HostCopy
-from shardscale.core._step_arith import constant
+from shardscale.core.step._arith import constant
+from shardscale.core.step._host_copy import HostCopy
 
 __all__ = [
     "SkipReason",
