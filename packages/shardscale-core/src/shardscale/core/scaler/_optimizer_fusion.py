@@ -80,6 +80,8 @@ import torch
 from torch.optim import optimizer as _torch_optimizer
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from shardscale.core.step._collect import dtensor_type
+
 __all__ = [
     "FIRST_MOMENTUM_STEP",
     "PASSING",
@@ -258,6 +260,14 @@ class FusionChecks:
 
     def local(self, optimizer: torch.optim.Optimizer, token: object = None) -> bool:
         """Whether :func:`fused_kernel_step` runs ``optimizer`` on DTensors' local shards."""
+        dtensor = dtensor_type()
+        params = itertools.chain.from_iterable([g["params"] for g in optimizer.param_groups])
+        if dtensor is None or not any(
+            map(issubclass, map(type, params), itertools.repeat(dtensor))
+        ):
+            return (
+                False  # no DTensor: nothing to run locally (what a fused optimizer asks, cheaply)
+            )
         answer, _ = self._answer(optimizer, token)
         return answer.refusal is None and answer.local
 
