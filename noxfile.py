@@ -45,6 +45,7 @@ DISTS = [
     "shardscale-fsdp",
     "shardscale-triton",
     "shardscale-telemetry",
+    "shardscale-schedules",
     "shardscale",
     "shardscale-lightning",
     "shardscale-accelerate",
@@ -102,8 +103,10 @@ def _run_tests(session: nox.Session, torch_version: str) -> None:
     # shardscale's "ui" extra: the demo tests check the plot (the isolated session runs without it).
     session.install("rich>=13", "matplotlib>=3.7")
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+    # benchmarks/tests: the scale table's simulator and NCCL model (not in any wheel).
     paths = [str(ROOT / "packages" / d / "tests") for d in DISTS] + [
-        str(ROOT / "integration_tests")
+        str(ROOT / "integration_tests"),
+        str(ROOT / "benchmarks" / "tests"),
     ]
     # Triton's interpreter for shardscale-triton's CPU tests: it must be on before anything
     # imports triton, and it changes nothing else (the kernels claim the CPU only where a test
@@ -165,7 +168,8 @@ def _bench_with_machine_torch(session: nox.Session, args: list[str]) -> None:
     """``shardscale bench --device cuda`` with the GPU machine's own Python, torch and Triton.
 
     Nothing is downloaded: our wheels go in with --no-deps from .nox/gpu-wheelhouse (built
-    here when missing, which needs network), through tools/gpu_check.py's install part. The
+    here when missing, which needs network) into .nox/gpu-site, through tools/gpu_check.py's
+    install part. The
     Python is $SHARDSCALE_GPU_PYTHON, else the one running nox (where nox was installed
     beside torch); the session's own virtualenv is not used.
     """
@@ -175,11 +179,14 @@ def _bench_with_machine_torch(session: nox.Session, args: list[str]) -> None:
     if not any(GPU_WHEELHOUSE.glob("shardscale_core-*.whl")):
         session.log(f"no wheelhouse at {GPU_WHEELHOUSE}: building it (this step needs network)")
         _build_gpu_wheelhouse(session, python)
-    check = [str(ROOT / "tools" / "gpu_check.py"), "--wheelhouse", str(GPU_WHEELHOUSE),
+    check = [str(ROOT / "tools" / "gpu_check.py"), "tests", "--wheelhouse", str(GPU_WHEELHOUSE),
              "--only", "environment", "--only", "install",
              "--report", str(ROOT / ".nox" / "bench" / "install.md")]  # fmt: skip
     session.run(python, *check, external=True)
-    session.run(python, "-m", "shardscale.cli", "bench", *args, external=True)
+    # gpu_check installs our wheels into a folder of their own (the machine's stay untouched).
+    site = str(ROOT / ".nox" / "gpu-site")
+    session.run(python, "-m", "shardscale.cli", "bench", *args, external=True,
+                env={"PYTHONPATH": site})  # fmt: skip
 
 
 @nox.session(python=PYTHON)
@@ -190,16 +197,18 @@ def bench_scale(session: nox.Session) -> None:
     parameters; the vector's bytes, the host time to build and decide (95 % intervals), the
     decisions checked with and without an inf on the last rank, and the all-reduce modelled with
     NCCL's tuning model against an 8-byte one (docs/benchmark.md). About five minutes on 2 cores.
-    Writes .nox/bench/bench-scale.{json,md}; extra arguments go to
-    ``python -m shardscale.cli.bench.scale`` (e.g. ``-- --worlds 1024 16384 --repeats 5``).
+    Writes .nox/bench/bench-scale.{json,md}; extra arguments go to benchmarks/bench_scale.py
+    (e.g. ``-- --worlds 1024 16384 --repeats 5``, ``-- --quick``). The simulator lives in
+    benchmarks/, not in any wheel; it needs core and shardscale-fsdp only.
     """
     _install_torch(session, os.environ.get("SHARDSCALE_TORCH", DEFAULT_TORCH))
-    others = [d for d in _package_dirs(frameworks=False) if not d.endswith(f"{os.sep}shardscale")]
-    session.install(*others, str(ROOT / "packages" / "shardscale"))
+    session.install(*(str(ROOT / "packages" / d) for d in ("shardscale-core",
+                                                          "shardscale-collectives",
+                                                          "shardscale-fsdp")))  # fmt: skip
     args = list(session.posargs)
     if not any(a == "--out" or a.startswith("--out=") for a in args):
         args += ["--out", str(ROOT / ".nox" / "bench")]
-    session.run("python", "-m", "shardscale.cli.bench.scale", *args)
+    session.run("python", str(ROOT / "benchmarks" / "bench_scale.py"), *args)
 
 
 @nox.session(python=PYTHON)
@@ -209,17 +218,16 @@ def bench_host(session: nox.Session) -> None:
     2 gloo ranks x 1 thread: torch's unscale_ + clip_grad_norm_, torch again (A/A) and
     unscale_and_clip_, each reading the norm, interleaved; warm and cold (first call on a new
     layout; torch's only while its projected cost fits --torch-budget, 240 s). About ten
-    minutes on 2 cores. Writes .nox/bench_host/host.json; ``-- --quick`` is a smoke run,
-    ``-- --from-json FILE`` prints an earlier run's table (see docs/benchmark.md).
+    minutes on 2 cores. Runs ``shardscale bench host``; writes .nox/bench_host/host.json;
+    ``-- --quick`` is a smoke run, ``-- --from-json FILE`` prints an earlier run's table, ``--
+    --markdown`` the table as in docs/benchmark.md.
     """
     _install_torch(session, os.environ.get("SHARDSCALE_TORCH", DEFAULT_TORCH))
     session.install(*_package_dirs(frameworks=False))
     args = list(session.posargs)
-    if "--from-json" not in args and not any(a.startswith("--json") for a in args):
-        out = ROOT / ".nox" / "bench_host"
-        out.mkdir(parents=True, exist_ok=True)
-        args += ["--json", str(out / "host.json")]
-    session.run("python", "-m", "shardscale.cli.bench._host", *args)
+    if "--from-json" not in args and not any(a == "--out" or a.startswith("--out=") for a in args):
+        args += ["--out", str(ROOT / ".nox" / "bench_host")]
+    session.run("shardscale", "bench", "host", *args)
 
 
 @nox.session(python=PYTHON)
@@ -375,24 +383,48 @@ def gpu_wheelhouse(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
-    """The GPU check with the machine's own Python, torch and Triton: tools/gpu_check.py.
+    """The GPU check with the machine's own Python, torch and Triton: tools/gpu_check.py's two
+    commands, ``tests`` then ``bench``, each within 5 minutes (one lease; docs/supported.md).
 
-    Installs our wheels with --no-deps from .nox/gpu-wheelhouse (``nox -s gpu_wheelhouse``
-    builds it, here, when it is missing; on a GPU machine without network bring it along),
-    checks torch/Triton/NCCL against our floors, runs the CUDA tests (NCCL), the compiled Triton
-    tests (launch counts, host syncs), the kernels benchmark and ``shardscale bench --device
-    cuda`` on the memory table's 8.4M and 33.6M models (Triton vs foreach vs torch, launches,
-    syncs), within 27 minutes, and writes one report (default .nox/gpu-check/report.md). Never downloads; every part it skips
-    is printed with the reason. Without nox: ``python tools/gpu_check.py``. Arguments go to
-    the script, e.g. ``nox -s gpu -- --no-install``. Never part of CI.
+    Installs our wheels with --no-deps from .nox/gpu-wheelhouse into .nox/gpu-site (``nox -s
+    gpu_wheelhouse`` builds the folder, here, when it is missing; on a GPU machine without
+    network bring it along), then ``tests``: the environment against our floors, ``shardscale
+    doctor``, the CUDA tests and the compiled Triton tests; and ``bench``: ``shardscale bench
+    --device cuda --amp fp16`` on the memory table's 8.4M and 33.6M models, torch vs ours
+    (device kernels and foreach), launches and host syncs. One report (default
+    .nox/gpu-check/report.md). Arguments go to both commands, e.g. ``nox -s gpu --
+    --no-install``. Never part of CI.
     """
     python = os.environ.get("SHARDSCALE_GPU_PYTHON", "python")
     args = list(session.posargs)
     if "--no-install" not in args and not any(GPU_WHEELHOUSE.glob("shardscale_core-*.whl")):
         session.log(f"no wheelhouse at {GPU_WHEELHOUSE}: building it (this step needs network)")
         _build_gpu_wheelhouse(session, python)
-    args = ["--wheelhouse", str(GPU_WHEELHOUSE), *args]
-    session.run(python, str(ROOT / "tools" / "gpu_check.py"), *args, external=True)
+    for command in ("tests", "bench"):
+        session.run(python, str(ROOT / "tools" / "gpu_check.py"), command, "--wheelhouse",
+                    str(GPU_WHEELHOUSE), *args, external=True, success_codes=[0, 1])  # fmt: skip
+
+
+@nox.session(python=PYTHON)
+def gpu_dry_run(session: nox.Session) -> None:
+    """The GPU check's two commands on this CPU, as the GPU machine would run them: a fresh
+    Python 3.11 with torch and nothing else (no hatchling, no pytest: they must come from the
+    wheelhouse), our wheels and the test dependencies installed with ``pip --no-index`` from
+    .nox/gpu-wheelhouse; every part starts, or is skipped with its reason (no CUDA here).
+
+    torch is 2.13.0, the CPU build on this machine's disk: torch 2.11.0 (the GPU image's) has
+    no CPU build here, and PyPI's is the 530 MB CUDA build that pulls several GB of CUDA
+    libraries. Reports in .nox/gpu-dry-run/.
+    """
+    if not any(GPU_WHEELHOUSE.glob("shardscale_core-*.whl")):
+        _build_gpu_wheelhouse(session, "python")
+    _install_torch(session, os.environ.get("SHARDSCALE_TORCH", DEFAULT_TORCH))
+    session.run("python", "-c", "import importlib.util as u, sys; "
+                "sys.exit('hatchling is installed' if u.find_spec('hatchling') else 0)")  # fmt: skip
+    out = ROOT / ".nox" / "gpu-dry-run"
+    for command in ("tests", "bench"):
+        session.run("python", str(ROOT / "tools" / "gpu_check.py"), command, "--wheelhouse",
+                    str(GPU_WHEELHOUSE), "--report", str(out / "report.md"), *session.posargs)  # fmt: skip
 
 
 @nox.session(python=PYTHON, venv_params=["--system-site-packages"])

@@ -613,7 +613,7 @@ class _PolicyRecorder(_Recorder):
             self.ref_ema = AveragedModel(pl_module.net, multi_avg_fn=get_ema_multi_avg_fn(0.9))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-        from shardscale.core import update_averaged_model
+        from shardscale.schedules import update_averaged_model
 
         super().on_train_batch_end(trainer, pl_module, *args)
         self.steps[-1]["reason"] = int(self.plugin.scaler.last_skip_reason)

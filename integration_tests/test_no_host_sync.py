@@ -125,13 +125,9 @@ def _policies_case(clip: bool) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     from shardscale.clip import unscale_and_clip_
-    from shardscale.core import (
-        DeviceLRSchedule,
-        ShardedGradScaler,
-        SpikeSkip,
-        WarmupSchedule,
-    )
+    from shardscale.core import ShardedGradScaler, SpikeSkip
     from shardscale.core.testing import CountingGlooGroup, counting_gloo_group
+    from shardscale.schedules import DeviceLRSchedule, WarmupSchedule
 
     rank = dist.get_rank()
     torch.manual_seed(0)

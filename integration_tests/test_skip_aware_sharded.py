@@ -31,12 +31,8 @@ def _sharded_case() -> dict[str, Any]:
     from torch.optim.lr_scheduler import CosineAnnealingLR
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-    from shardscale.core import (
-        CosineSchedule,
-        DeviceLRSchedule,
-        ShardedGradScaler,
-        update_averaged_model,
-    )
+    from shardscale.core import ShardedGradScaler
+    from shardscale.schedules import CosineSchedule, DeviceLRSchedule, update_averaged_model
 
     rank = dist.get_rank()
     torch.manual_seed(0)

@@ -17,6 +17,10 @@ Both must return the same norm (within the dtype's accumulation bound) and
 leave the same clipped gradients, for p = 2 and p = inf; collectives are
 counted with torch's ``CommDebugMode`` around each call. torchtitan's trainer
 itself is not run: its ``device_type`` is "cuda" without an accelerator.
+
+A frozen pipeline stage (real FSDP2 stages, one backward, the frozen stage's
+ranks without any gradient) runs on 2 ranks (pp 2 x dp 1) and on 4 (pp 2 x
+dp 2), each case with a deadline: every rank must join the same reduction.
 """
 
 from __future__ import annotations
@@ -258,3 +262,118 @@ def test_inf_norm_with_an_empty_fsdp_shard(pool4: Pool) -> None:
     assert [r["ours"] for r in results] == [ref] * 4
     assert "infinity norm on an empty tensor" in results[3]["foreach_norm"]
     assert all("foreach_norm" not in r for r in results[:3])
+
+
+# -- a frozen pipeline stage (issue 27, #5) ------------------------------------------------------
+
+#: Seconds a frozen-stage case may take: ample on a loaded 2-core machine (each takes a few
+#: seconds), and well under the module's pytest timeout so a hang fails the case, not the run.
+FROZEN_TIMEOUT = 90.0
+
+
+def _frozen_stage_case(frozen: int, pass_frozen_params: bool) -> dict[str, Any]:
+    """pp 2 x dp (world / 2), a real FSDP2 model per stage (as torchtitan shards a stage), one
+    backward; stage ``frozen`` has ``requires_grad=False``, so its ranks hold no gradient.
+
+    ``pass_frozen_params=False`` gives the frozen stage's ranks an empty parameter list (a caller
+    that passes only the parameters that train). Returns, per rank, torchtitan's and our norms,
+    clipped local gradients and collective counts, and the reference: this stage's norm from the
+    full gradients in float64 (0 on the frozen stage).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torchtitan.distributed.utils import clip_grad_norm_ as titan_clip
+
+    from shardscale.torchtitan import clip_grad_norm_ as ours_clip
+
+    world = dist.get_world_size()
+    root = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    stage = root.get_coordinate()[0]  # type: ignore[index]
+    torch.manual_seed(10 + stage)  # each stage its own layers, the same on its dp ranks
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4), torch.nn.Tanh()
+    )
+    if stage == frozen:
+        model.requires_grad_(False)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=root["dp"])
+    fully_shard(model, mesh=root["dp"])
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(100 + dist.get_rank()))
+    loss = model(x).square().sum()
+    if stage != frozen:
+        loss.backward()
+    params = list(model.parameters())
+    assert all(isinstance(p, DTensor) for p in params)  # FSDP2's, frozen or not
+    has_grads = [p.grad is not None for p in params]
+    if not pass_frozen_params and stage == frozen:
+        params = []
+    grads = [p.grad for p in params if p.grad is not None]
+    full = [g.full_tensor().double() for g in grads if isinstance(g, DTensor)]
+    assert len(full) == len(grads)
+    out: dict[str, Any] = {
+        "stage": stage,
+        "has_grads": has_grads,
+        "ref": float(torch.nn.utils.get_total_norm(full, 2.0)) if full else 0.0,
+        "numel": sum(p.numel() for p in params),
+    }
+    original = _local_grads([p for p in params if p.grad is not None])
+    for norm_type in (2.0, math.inf):
+        for name, fn in (("titan", titan_clip), ("ours", ours_clip)):
+            _set_grads([p for p in params if p.grad is not None], original)
+            with CommDebugMode() as comm:  # type: ignore[no-untyped-call]
+                norm = fn(params, MAX_NORM, norm_type, pp_mesh=root["pp"])
+            out[(name, norm_type)] = {
+                "norm": float(norm),
+                "collectives": comm.get_total_counts(),
+                "grads": _local_grads([p for p in params if p.grad is not None]),
+            }
+    return out
+
+
+def _check_frozen_stage(results: list[Any], frozen: int) -> None:
+    stages = [res["stage"] for res in results]
+    assert sorted(stages) == [0] * (len(results) // 2) + [1] * (len(results) // 2)
+    # The frozen stage's ranks hold no gradient at all; the other stage's hold every one.
+    for res in results:
+        want = [res["stage"] != frozen] * len(res["has_grads"])
+        assert res["has_grads"] == want, (res["stage"], res["has_grads"])
+    trained = [res for res in results if res["stage"] != frozen]
+    # The whole model's norm is the trained stage's (the frozen one adds 0), from its full
+    # gradients in float64: the same tensors on each of its ranks, so the same value.
+    ref = trained[0]["ref"]
+    assert all(res["ref"] == ref for res in trained) and ref > MAX_NORM
+    numel = trained[0]["numel"]  # the trained stage's whole parameters (DTensor numel is global)
+    rtol = 2 * norm_rtol(numel, torch.float32, 2.0)  # each within the float32 bound
+    for rank, res in enumerate(results):
+        titan, ours = res[("titan", 2.0)], res[("ours", 2.0)]
+        assert titan["norm"] == pytest.approx(ref, rel=rtol), rank
+        assert ours["norm"] == pytest.approx(titan["norm"], rel=rtol), rank
+        # The inf-norm is a max: exact.
+        assert res[("ours", math.inf)]["norm"] == res[("titan", math.inf)]["norm"], rank
+        for p in (2.0, math.inf):
+            t, o = res[("titan", p)], res[("ours", p)]
+            assert o["collectives"] == 1, (rank, p, o["collectives"])  # frozen or not
+            tol = clipped_grad_rtol(numel, torch.float32, 2.0)
+            for a, b in zip(t["grads"], o["grads"], strict=True):
+                torch.testing.assert_close(b, a, rtol=tol, atol=0.0)
+    assert len({res[("ours", 2.0)]["norm"] for res in results}) == 1
+
+
+@pytest.mark.parametrize("frozen", [0, 1], ids=["first-stage-frozen", "last-stage-frozen"])
+def test_a_frozen_stage_on_2_ranks_returns_torchtitans_norm(pool2: Pool, frozen: int) -> None:
+    """pp 2 x dp 1: the frozen stage's rank joins the same reduction as its peer (it picked
+    another path from its missing gradients and both ranks raised a DeclarationError)."""
+    results = pool2.run(_frozen_stage_case, frozen, True, timeout=FROZEN_TIMEOUT)
+    _check_frozen_stage(results, frozen)
+
+
+@pytest.mark.parametrize("pass_frozen_params", [True, False], ids=["all-params", "no-params"])
+def test_a_frozen_stage_on_pp2_dp2_returns_torchtitans_norm_and_never_hangs(
+    pool4: Pool, pass_frozen_params: bool
+) -> None:
+    """pp 2 x dp 2, FSDP2 inside each stage: the frozen stage's ranks waited in the pipeline
+    group while the others reduced over the whole world, until the process-group timeout."""
+    results = pool4.run(_frozen_stage_case, 0, pass_frozen_params, timeout=FROZEN_TIMEOUT)
+    _check_frozen_stage(results, 0)

@@ -1,34 +1,47 @@
-"""The GPU check in one command, with the torch, Triton and NCCL the machine already has.
+"""The GPU check in two commands that fit one rented GPU lease, with the machine's own torch.
 
-``python tools/gpu_check.py`` (``nox -s gpu`` calls it) on a machine whose torch
-cannot be changed (a managed image, a shared cluster, no network):
+A lease is 15 minutes in all (start-up included) and at most 10 minutes a
+command, on a machine without network whose image has Python, torch, Triton,
+pytest, hypothesis and pluggy but not hatchling. So the check is two commands
+of at most 5 minutes each (``--budget``, 290 s by default), run from a clone
+with our wheels beside it (``nox -s gpu_wheelhouse`` builds
+``.nox/gpu-wheelhouse``, about 3 MiB; bring it along)::
 
-1. **environment**: Python, torch (build, CUDA, GPUs), NCCL and Triton, judged
-   against shardscale's floors (``shardscale/cli/_floors.py``);
-2. **install**: our wheels from ``--wheelhouse`` with ``pip --no-index --no-deps``
-   into this Python, and the pure-Python test dependencies found there when
-   missing (``nox -s gpu_wheelhouse`` builds the folder; bring it along). pip
-   never looks at an index, so nothing is downloaded and torch is never touched;
-3. **doctor**: ``shardscale doctor --json`` (torch/Triton/NCCL, plugins, a
-   real scaler step on the GPU);
-4. **cuda tests**: ``pytest -m gpu`` over the test files that have CUDA cases;
-5. **triton tests**: shardscale-triton's tests compiled on the GPU, launch
-   counts and ``torch.cuda.set_sync_debug_mode("error")`` included;
-6. **kernels benchmark**: ``benchmarks/triton_kernels.py``: foreach vs Triton
-   vs torch's recipe, time, kernel launches, host syncs (a sync fails it);
-7. **bench (8.4M)** and **bench (33.6M)**: ``shardscale bench --device cuda``
-   on the two models of the memory table, ours (with the kernels the device
-   picks: shardscale-triton's where installed) vs ours with the ``foreach``
-   kernels vs torch, with the pass-count floor, launches per step from the
-   profiler and host syncs under ``set_sync_debug_mode("error")``
-   (``--quick-bench``: the smoke-sized model instead).
+    python tools/gpu_check.py tests --report OUT/gpu-check.md   # 1: install, doctor, tests
+    python tools/gpu_check.py bench --report OUT/gpu-check.md   # 2: the step-tail benchmark
 
-It writes one Markdown report (``--report``), prints every part it skipped
-and why, and exits 1 when a part failed, else 0 (a machine without CUDA runs
-1-3 and skips the rest with a reason each). Each part has a time limit and the
-whole run a budget (``--budget``, 1620 s by default) so that it ends within
-half an hour on one GPU, nearly all of it measuring. ``--only PART`` runs
-just the parts named (``nox -s bench -- --device cuda`` uses it to install).
+Each command runs its parts in order of value, each within its own time
+limit (``LIMITS``); a part that runs out of time is reported as such and the
+next one starts. ``tests``:
+
+1. **environment**: Python, torch (build, CUDA, GPUs), NCCL and Triton,
+   judged against shardscale's floors (``shardscale/cli/_floors.py``);
+2. **install**: our wheels from ``--wheelhouse`` with ``pip --no-index
+   --no-deps --target`` into a folder of their own (``.nox/gpu-site``, put on
+   ``PYTHONPATH`` of every part), and the pure-Python test dependencies found
+   there when this Python lacks them. pip never looks at an index and never
+   touches the machine's packages (an image's Python may be externally
+   managed); nothing is built, so hatchling is not needed;
+3. **doctor**: ``shardscale doctor --json``;
+4. **cuda tests**: ``pytest -m gpu`` over the test files with CUDA cases;
+5. **triton tests**: shardscale-triton's tests, compiled on the GPU (launch
+   counts, ``set_sync_debug_mode("error")``).
+
+``bench`` (environment and install again, seconds, so it also runs on a
+fresh machine):
+
+6. **bench (8.4M)** and 7. **bench (33.6M)**: ``shardscale bench --device
+   cuda --amp fp16`` on the memory table's two models: torch's recipe vs ours
+   (the device's kernels, and ``foreach``), fp16 autocast, with launches per
+   step (CUDA kernels, profiler) and host syncs (``set_sync_debug_mode``);
+   ``--quick-bench``: the smoke-sized model.
+
+Each command writes the one Markdown report (``--report``): the parts of
+this command and those the other command left in ``.nox/gpu-check/parts.json``
+on this machine, so the second command's report has both. It prints every part
+it skipped and why, and exits 1 when a part failed, else 0. Without CUDA the
+CUDA parts are skipped with the reason (``nox -s gpu_dry_run`` does that on a
+CPU, from the wheelhouse). ``--only PART`` / ``--skip PART`` pick parts.
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ import json
 import os
 import platform
 import runpy
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,15 +66,25 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOORS = runpy.run_path(str(ROOT / "packages/shardscale/src/shardscale/cli/_floors.py"))
 # Ours, without the trainer integrations (they need lightning/accelerate, not part of this).
 DISTS = ["shardscale-core", "shardscale-collectives", "shardscale-clip", "shardscale-fsdp",
-         "shardscale-triton", "shardscale-telemetry", "shardscale"]  # fmt: skip
+         "shardscale-triton", "shardscale-telemetry", "shardscale-schedules",
+         "shardscale"]  # fmt: skip
 TEST_DEPS = ["pytest", "pytest-timeout", "hypothesis", "pluggy"]
 TRITON_TESTS = ROOT / "packages" / "shardscale-triton" / "tests"
-PARTS = ["environment", "install", "doctor", "cuda tests", "triton tests", "kernels benchmark",
-         "bench (8.4M)", "bench (33.6M)"]  # fmt: skip
-# Seconds each part may take at most (the budget may leave less).
-LIMITS = {"environment": 120, "install": 180, "doctor": 180, "cuda tests": 420,
-          "triton tests": 300, "kernels benchmark": 240, "bench (8.4M)": 420,
-          "bench (33.6M)": 420}  # fmt: skip
+#: The parts of each command, in the order they run (their order of value).
+COMMANDS = {
+    "tests": ["environment", "install", "doctor", "cuda tests", "triton tests"],
+    "bench": ["environment", "install", "bench (8.4M)", "bench (33.6M)"],
+}
+PARTS = [*COMMANDS["tests"], "bench (8.4M)", "bench (33.6M)"]
+#: Seconds each part may take at most (the command's budget may leave less). Each command's
+#: parts add up to at most its default budget, so every part gets its whole limit.
+LIMITS = {"environment": 40, "install": 40, "doctor": 50, "cuda tests": 100,
+          "triton tests": 60, "bench (8.4M)": 90, "bench (33.6M)": 120}  # fmt: skip
+#: Each command's default budget: under the 5 minutes a command may take, start-up included.
+BUDGET_S = 290.0
+#: Where our wheels are installed (``pip --target``) and where each command leaves its parts.
+SITE = ROOT / ".nox" / "gpu-site"
+STATE = ROOT / ".nox" / "gpu-check" / "parts.json"
 # The memory table's two models (docs/benchmark.md): width and hidden size of the four blocks.
 BENCH_MODELS = {"bench (8.4M)": ("512", "2048"), "bench (33.6M)": ("1024", "4096")}
 
@@ -117,15 +141,24 @@ class Run:
         self.parts: list[Part] = []
         self.start = time.monotonic()
         self.env: dict[str, Any] = {}
+        #: The folder our wheels went into (None: test what this Python already has).
+        self.site: Path | None = None if args.no_install else Path(args.site)
+        #: The time limit of the last child (for "ran out of its N s").
+        self.limit = 0.0
 
     def left(self) -> float:
-        return float(self.args.budget) - (time.monotonic() - self.start)
+        budget = float(self.args.budget) * self.args.time_scale
+        return budget - (time.monotonic() - self.start)
 
     def add(self, part: Part) -> Part:
         self.parts.append(part)
         mark = {"ok": "ok  ", "failed": "FAIL", "skipped": "skip"}[part.status]
         print(f"[{mark}] {part.name} ({part.seconds:.0f} s): {part.detail}", flush=True)
         return part
+
+    def ran_out(self) -> str:
+        """The detail of a part stopped at its time limit."""
+        return f"ran out of time: stopped at its {self.limit:.0f} s limit"
 
     def skip(self, name: str, reason: str) -> Part:
         return self.add(Part(name, "skipped", reason))
@@ -134,9 +167,12 @@ class Run:
         self, name: str, argv: list[str], *, env: dict[str, str] | None = None
     ) -> tuple[int | None, str, float]:
         """Run ``argv`` within the part's limit; (exit status or None on timeout, output, s)."""
-        limit = max(1.0, min(LIMITS[name], self.left()))
+        limit = self.limit = max(1.0, min(LIMITS[name] * self.args.time_scale, self.left()))
         full_env = {**os.environ, **(env or {})}
         full_env.pop("TRITON_INTERPRET", None)  # compiled kernels only, here
+        if self.site is not None:  # our wheels, installed apart from the machine's packages
+            path = full_env.get("PYTHONPATH")
+            full_env["PYTHONPATH"] = str(self.site) + (os.pathsep + path if path else "")
         t0 = time.monotonic()
         try:
             proc = subprocess.run(argv, cwd=ROOT, env=full_env, capture_output=True, text=True,
@@ -160,9 +196,16 @@ def _below(version: str, floor: str) -> bool:
 def check_environment(run: Run) -> Part:
     code, out, secs = run.child("environment", [run.python, "-c", _PROBE])
     if code != 0:
-        return run.add(Part("environment", "failed", f"cannot inspect {run.python}",
+        why = run.ran_out() if code is None else f"cannot inspect {run.python}"
+        return run.add(Part("environment", "failed", why,
                             secs, _tail(out)))  # fmt: skip
-    env = run.env = json.loads(out.strip().splitlines()[-1])
+    # The probe's JSON is its last line on stdout; stderr (merged here) may carry warnings,
+    # e.g. torch's "Failed to initialize NumPy" where numpy is not installed.
+    found = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if not found:
+        return run.add(Part("environment", "failed", "the probe printed no JSON", secs,
+                            _tail(out)))  # fmt: skip
+    env = run.env = json.loads(found[-1])
     if "torch_error" in env:
         return run.add(Part("environment", "failed", f"torch does not import: {env['torch_error']}",
                             secs))  # fmt: skip
@@ -206,22 +249,30 @@ def install(run: Run) -> Part:
                                 "folder with 'nox -s gpu_wheelhouse' where there is network and "
                                 "bring it along (or pass --no-install)"))  # fmt: skip
         wheels.append(str(found[-1]))
-    pip = [run.python, "-m", "pip", "install", "--no-index", "--find-links", str(house)]
+    site = Path(run.args.site)
+    shutil.rmtree(site, ignore_errors=True)  # this run's wheels only, never an older run's
+    site_now, run.site = run.site, None  # pip itself runs with the machine's packages only
+    pip = [run.python, "-m", "pip", "install", "--no-index", "--find-links", str(house),
+           "--target", str(site), "--disable-pip-version-check"]  # fmt: skip
     # Ours with --no-deps: torch, Triton and everything else of the machine stay as they are.
-    code, out, secs = run.child("install", [*pip, "--no-deps", "--force-reinstall", *wheels])
+    code, out, secs = run.child("install", [*pip, "--no-deps", *wheels])
     if code != 0:
-        return run.add(Part("install", "failed", "pip could not install our wheels", secs,
-                            _tail(out)))  # fmt: skip
+        run.site = site_now
+        why = run.ran_out() if code is None else "pip could not install our wheels"
+        return run.add(Part("install", "failed", why, secs, _tail(out)))
     missing = [d for d in TEST_DEPS if not _has(run, d)]
     if missing:
         # Only what is missing, from the folder alone (their own requirements come from it too).
         code, more, extra = run.child("install", [*pip, *missing])
         secs += extra
         if code != 0:
+            run.site = site_now
             return run.add(Part("install", "failed", f"pip could not install {missing} from "
                                 f"{house}", secs, _tail(more)))  # fmt: skip
-    return run.add(Part("install", "ok", f"{len(wheels)} wheels with --no-deps from {house}"
-                        + (f"; test dependencies {', '.join(missing)}" if missing else ""), secs))  # fmt: skip
+    run.site = site_now
+    return run.add(Part("install", "ok", f"{len(wheels)} wheels with --no-deps from {house} "
+                        f"into {site}" + (f"; test dependencies {', '.join(missing)}" if missing
+                                          else ""), secs))  # fmt: skip
 
 
 def _has(run: Run, dist: str) -> bool:
@@ -233,7 +284,8 @@ def _has(run: Run, dist: str) -> bool:
 def doctor(run: Run) -> Part:
     code, out, secs = run.child("doctor", [run.python, "-m", "shardscale.cli", "doctor", "--json"])
     try:
-        data = json.loads(out[out.index("{") :])
+        # The JSON, whatever stderr (merged here) printed after it (warnings of torch or numpy).
+        data, _ = json.JSONDecoder().raw_decode(out, out.index("{"))
     except ValueError:
         return run.add(Part("doctor", "failed", "shardscale doctor printed no JSON", secs,
                             _tail(out)))  # fmt: skip
@@ -269,7 +321,7 @@ def _pytest(run: Run, name: str, paths: list[str]) -> Part:
         return run.add(Part(name, "ok", f"{summary} ({len(paths)} files)", secs, _tail(out, 15)))
     if code == 5:
         return run.add(Part(name, "failed", "no CUDA test was collected", secs, _tail(out)))
-    why = "timed out" if code is None else summary or f"exit status {code}"
+    why = run.ran_out() if code is None else summary or f"exit status {code}"
     return run.add(Part(name, "failed", why, secs, _tail(out, 60)))
 
 
@@ -288,40 +340,15 @@ def _no_triton(run: Run) -> str | None:
     return _no_cuda(run) or (None if run.env.get("triton") else "triton is not installed here")
 
 
-def kernels_benchmark(run: Run, out_dir: Path) -> Part:
-    name = "kernels benchmark"
-    target = out_dir / "kernels.json"
-    argv = [run.python, str(ROOT / "benchmarks" / "triton_kernels.py"), "--repeats", "30",
-            "--json", str(target)]  # fmt: skip
-    code, out, secs = run.child(name, argv)
-    if code != 0 or not target.exists():
-        return run.add(Part(name, "failed", "timed out" if code is None else f"exit status {code}",
-                            secs, _tail(out, 40)))  # fmt: skip
-    data = json.loads(target.read_text(encoding="utf-8"))
-    lines = ["| kernels | what | median us | IQR us | launches | host syncs |",
-             "| --- | --- | ---: | --- | ---: | --- |"]  # fmt: skip
-    for r in data["rows"]:
-        lines.append(f"| {r['kernels']} | {r['what']} | {r['median_us']:.1f} | "
-                     f"{r['q1_us']:.1f}-{r['q3_us']:.1f} | {r['launches']} | {r['host_syncs']} |")  # fmt: skip
-    synced = [f"{r['kernels']} {r['what']}" for r in data["rows"]
-              if r["kernels"] != "torch" and r["host_syncs"] != "none"]  # fmt: skip
-    head = (
-        f"{data['gradients']} gradients, {data['elements'] / 1e6:.1f} M elements, {data['dtype']}"
-    )
-    table = head + "\n\n" + "\n".join(lines)
-    if synced:
-        return run.add(Part(name, "failed", f"host sync in: {', '.join(synced)}", secs, table))
-    return run.add(Part(name, "ok", f"{head}; no host sync in ours", secs, table))
-
-
 def bench_argv(run: Run, name: str, folder: Path) -> list[str]:
-    """``shardscale bench --device cuda`` for one model of the memory table (one rank per GPU)."""
+    """``shardscale bench --device cuda --amp fp16`` for one model of the memory table (one rank
+    per GPU, at most two: FSDP over both, and FSDP x TP)."""
     world = 2 if len(run.env.get("gpus", [])) >= 2 else 1
-    meshes = "1d,2d" if world == 2 else "1d"
+    meshes = "dp2,dp1xtp2" if world == 2 else "dp1"
     size = (["--quick"] if run.args.quick_bench else
             ["--width", BENCH_MODELS[name][0], "--hidden", BENCH_MODELS[name][1]])  # fmt: skip
-    return [run.python, "-m", "shardscale.cli", "bench", "--device", "cuda", *size,
-            "--world-size", str(world), "--meshes", meshes, "--scaling-points", "none",
+    return [run.python, "-m", "shardscale.cli", "bench", "--device", "cuda", "--amp", "fp16",
+            *size, "--world-size", str(world), "--meshes", meshes, "--scaling-points", "none",
             "--out", str(folder)]  # fmt: skip
 
 
@@ -331,7 +358,7 @@ def bench(run: Run, name: str, out_dir: Path) -> Part:
     code, out, secs = run.child(name, argv)
     table = folder / "bench.md"
     if code != 0 or not table.exists():
-        return run.add(Part(name, "failed", "timed out" if code is None else f"exit status {code}",
+        return run.add(Part(name, "failed", run.ran_out() if code is None else f"exit status {code}",
                             secs, _tail(out, 40)))  # fmt: skip
     world = argv[argv.index("--world-size") + 1]
     data = json.loads((folder / "bench.json").read_text(encoding="utf-8"))
@@ -339,77 +366,122 @@ def bench(run: Run, name: str, out_dir: Path) -> Part:
     synced = [f"{row['mesh']} {row['optimizer']} {arm}" for row in data.get("rows", [])
               for arm, rec in row["arms"].items()
               if arm.startswith("ours") and rec.get("host_sync_clip") not in (None, "n/a")]  # fmt: skip
-    detail = f"world size {world}; ours (device kernels), ours with foreach, torch"
+    detail = f"world size {world}, fp16 autocast; ours (device kernels), ours with foreach, torch"
     if synced:
         return run.add(Part(name, "failed", f"host sync in unscale_and_clip_: {', '.join(synced)}",
                             secs, table.read_text(encoding="utf-8")))  # fmt: skip
     return run.add(Part(name, "ok", detail, secs, table.read_text(encoding="utf-8")))
 
 
-def write_report(run: Run, path: Path) -> None:
+def _load_state(command: str, state: Path) -> list[tuple[str, Part]]:
+    """The parts the other command left on this machine (none when it has not run here)."""
+    try:
+        data = json.loads(state.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    other = [c for c in COMMANDS if c != command]
+    return [(c, Part(**p)) for c in other for p in data.get(c, {}).get("parts", [])]
+
+
+def _save_state(command: str, run: Run, state: Path) -> None:
+    try:
+        data = json.loads(state.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        data = {}
+    data[command] = {"parts": [p.__dict__ for p in run.parts]}
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps(data, indent=1), encoding="utf-8")
+
+
+def write_report(run: Run, path: Path, *, command: str) -> None:
+    """The Markdown report: this command's parts and those the other left (tests first)."""
     env = run.env
+    theirs = _load_state(command, Path(run.args.state))
+    mine = [(command, p) for p in run.parts]
+    ordered = sorted([*theirs, *mine], key=lambda cp: list(COMMANDS).index(cp[0]))
     lines = [
         "# shardscale GPU check",
         "",
         f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, {platform.node()}, "
-        f"{env.get('executable', run.python)}; {time.monotonic() - run.start:.0f} s in all.",
+        f"{env.get('executable', run.python)}; '{command}' took {time.monotonic() - run.start:.0f} s"
+        f" of its {run.args.budget:.0f} s budget."
+        + ("" if theirs else " (The other command has not run on this machine.)"),
         "",
-        "| part | result | seconds | detail |",
-        "| --- | --- | ---: | --- |",
+        "| command | part | result | seconds | detail |",
+        "| --- | --- | --- | ---: | --- |",
     ]
-    for p in run.parts:
-        lines.append(f"| {p.name} | {p.status} | {p.seconds:.0f} | {p.detail.replace('|', '/')} |")
-    for p in run.parts:
+    for c, p in ordered:
+        lines.append(f"| {c} | {p.name} | {p.status} | {p.seconds:.0f} | "
+                     f"{p.detail.replace('|', '/')} |")  # fmt: skip
+    for _, p in ordered:
         if p.output:
             fence = "" if p.output.lstrip().startswith(("|", "#")) or "\n| " in p.output else "```"
-            lines += ["", f"## {p.name}", "", *( [fence] if fence else []), p.output.strip(),
+            lines += ["", f"## {p.name}", "", *([fence] if fence else []), p.output.strip(),
                       *([fence] if fence else [])]  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python tools/gpu_check.py", description=(__doc__ or "").splitlines()[0]
+    )
+    parser.add_argument("command", choices=list(COMMANDS),
+                        help="tests: install, doctor, CUDA and Triton tests; bench: the step-tail "
+                        "benchmark (run tests first, then bench)")  # fmt: skip
     parser.add_argument("--wheelhouse", default=str(ROOT / ".nox" / "gpu-wheelhouse"),
                         help="folder with our wheels and the test dependencies "
                         "(nox -s gpu_wheelhouse builds it)")  # fmt: skip
+    parser.add_argument("--site", default=str(SITE),
+                        help=f"folder our wheels are installed into (default {SITE})")  # fmt: skip
+    parser.add_argument("--state", default=str(STATE),
+                        help="where each command leaves its parts for the other's report "
+                        f"(default {STATE})")  # fmt: skip
     parser.add_argument("--no-install", action="store_true",
                         help="test the shardscale already installed in this Python")  # fmt: skip
     parser.add_argument("--report", default=str(ROOT / ".nox" / "gpu-check" / "report.md"),
                         help="the Markdown report to write")  # fmt: skip
     parser.add_argument("--python", default=sys.executable,
                         help="the Python to check and install into (default: this one)")  # fmt: skip
-    parser.add_argument("--budget", type=float, default=1620.0,
-                        help="seconds for the whole run (default 1620)")  # fmt: skip
+    parser.add_argument("--budget", type=float, default=BUDGET_S,
+                        help=f"seconds for this command (default {BUDGET_S:.0f}; a lease allows "
+                        "at most 300 per command here)")  # fmt: skip
     parser.add_argument("--skip", action="append", default=[], choices=PARTS, metavar="PART",
                         help=f"leave a part out (repeatable): {', '.join(PARTS)}")  # fmt: skip
     parser.add_argument("--only", action="append", default=[], choices=PARTS, metavar="PART",
                         help="run only the parts named (repeatable); the others are skipped")  # fmt: skip
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="multiply every limit and the budget (a slow, shared CPU's dry run: "
+                        "importing torch alone can take 30 s there)")  # fmt: skip
     parser.add_argument("--quick-bench", action="store_true",
                         help="the bench parts on the smoke-sized model (--quick)")  # fmt: skip
     args = parser.parse_args(argv)
+    if not 0 < args.budget <= 3600:
+        parser.error(f"--budget must be from 1 to 3600 seconds, got {args.budget:g}")
+    if not 0.1 <= args.time_scale <= 20:
+        parser.error(f"--time-scale must be from 0.1 to 20, got {args.time_scale:g}")
+    names = COMMANDS[args.command]
     if args.only:
-        args.skip += [p for p in PARTS if p not in args.only]
+        args.skip += [p for p in names if p not in args.only]
     run = Run(args)
     report = Path(args.report).resolve()
-    print(f"shardscale GPU check with {args.python}; report: {report}", flush=True)
+    print(f"shardscale GPU check '{args.command}' with {args.python}, {args.budget:.0f} s; "
+          f"report: {report}", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="shardscale-gpu-check-") as tmp:
         out_dir = Path(tmp)
-        steps: list[tuple[str, Any]] = [
-            ("environment", lambda: check_environment(run)),
-            ("install", lambda: install(run)),
-            ("doctor", lambda: doctor(run)),
-            ("cuda tests", lambda: _pytest(run, "cuda tests", _gpu_test_files())),
-            ("triton tests", lambda: _pytest(run, "triton tests", [str(TRITON_TESTS)])),
-            ("kernels benchmark", lambda: kernels_benchmark(run, out_dir)),
-            ("bench (8.4M)", lambda: bench(run, "bench (8.4M)", out_dir)),
-            ("bench (33.6M)", lambda: bench(run, "bench (33.6M)", out_dir)),
-        ]
+        steps: dict[str, Any] = {
+            "environment": lambda: check_environment(run),
+            "install": lambda: install(run),
+            "doctor": lambda: doctor(run),
+            "cuda tests": lambda: _pytest(run, "cuda tests", _gpu_test_files()),
+            "triton tests": lambda: _pytest(run, "triton tests", [str(TRITON_TESTS)]),
+            "bench (8.4M)": lambda: bench(run, "bench (8.4M)", out_dir),
+            "bench (33.6M)": lambda: bench(run, "bench (33.6M)", out_dir),
+        }
         needs = {"cuda tests": _no_cuda, "triton tests": _no_triton,
-                 "kernels benchmark": _no_triton, "bench (8.4M)": _no_cuda,
-                 "bench (33.6M)": _no_cuda}  # fmt: skip
+                 "bench (8.4M)": _no_cuda, "bench (33.6M)": _no_cuda}  # fmt: skip
         stop: str | None = None
-        for name, step in steps:
+        for name in names:
             if name in args.skip:
                 run.skip(name, "not in --only" if args.only and name not in args.only else "--skip")
             elif stop is not None:
@@ -419,10 +491,13 @@ def main(argv: list[str] | None = None) -> int:
             elif run.left() < 5:
                 run.skip(name, f"the time budget ({args.budget:.0f} s) is spent")
             else:
-                part = step()
+                most = min(LIMITS[name] * args.time_scale, run.left())
+                print(f"[....] {name} (at most {most:.0f} s)", flush=True)
+                part = steps[name]()
                 if name in ("environment", "install") and part.status == "failed":
                     stop = f"not run: {name} failed"
-        write_report(run, report)
+        write_report(run, report, command=args.command)
+        _save_state(args.command, run, Path(args.state))
     skipped = [p for p in run.parts if p.status == "skipped"]
     failed = [p for p in run.parts if p.status == "failed"]
     print(f"\n{len(run.parts) - len(skipped) - len(failed)} parts ok, {len(failed)} failed, "

@@ -499,7 +499,8 @@ def test_device_schedule_and_ema_hold_on_a_spike_skip_in_bf16() -> None:
 
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-    from shardscale.core import DeviceLRSchedule, LinearSchedule, SpikeSkip, update_averaged_model
+    from shardscale.core import SpikeSkip
+    from shardscale.schedules import DeviceLRSchedule, LinearSchedule, update_averaged_model
 
     steps, spike_at, threshold = 6, 2, 100.0
     acc = _accelerator(mixed_precision="bf16")

@@ -1,7 +1,7 @@
 """The one number a rank reads on the host after each step, instead of the W status slots.
 
 ErrorBlocks reads the step's reason, computed on the vector's device by comparing the reduced
-vector with what this rank expects (``_step_arith.probe``/``reason_into``): every status equal
+vector with what this rank expects (``StepScratch.probe``/``reason_into``): every status equal
 to its own, or -1 when it failed itself. The W-slot block is read only when a rank failed or
 ranks disagree (see [Note: errors that reach every rank]). Each rank's status packs its error
 code with its chain and declarations fingerprints into one float64; the vectors here are
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from shardscale.core import VectorLayout
-from shardscale.core.step._arith import probe, reason_into
+from shardscale.core.step._arith import StepScratch, reason_into
 from shardscale.core.step._errors import ERROR_KINDS, ErrorBlocks, fingerprint
 from shardscale.core.step._vector import pack_status, unpack_status
 from shardscale.core.step._verdict import SkipReason
@@ -47,7 +47,7 @@ def _views(vec: torch.Tensor, codes: dict[int, int] | None = None) -> list[Error
     views = []
     for rank in range(WORLD):
         own = -1.0 if (codes or {}).get(rank) else float(vec[layout.slot("status", rank)])
-        found = probe(WORLD, own, (("status", error),), vec.device)
+        found = StepScratch().probe(WORLD, own, (("status", error),), vec.device)
         reason = reason_into(vec, found, out=None)
         views.append(ErrorBlocks(vec, layout, reason, failed_at=error))
     return views

@@ -216,7 +216,7 @@ class _DeviceScheduled(_Net):
         self.sched_reads: list[list[str]] = []
 
     def configure_optimizers(self) -> Any:
-        from shardscale.core import DeviceLRSchedule, ExponentialSchedule
+        from shardscale.schedules import DeviceLRSchedule, ExponentialSchedule
 
         opt = torch.optim.AdamW(self.parameters(), lr=0.1, fused=True)
         scaler = self.trainer.precision_plugin.scaler
@@ -234,7 +234,7 @@ class _DeviceScheduled(_Net):
 
 
 def test_a_device_lr_schedule_is_left_to_itself_and_holds_on_the_skipped_step() -> None:
-    from shardscale.core import DeviceLRSchedule
+    from shardscale.schedules import DeviceLRSchedule
 
     plugin = ShardscalePrecision("16-mixed", device="cpu", init_scale=256.0)
     trainer = pl.Trainer(

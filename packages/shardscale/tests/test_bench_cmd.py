@@ -18,7 +18,7 @@ from shardscale.cli._ui import have_matplotlib
 from shardscale.cli.bench import write_json
 
 G = (2 * 32 * 64 + 64 + 32) // 2 * 4
-QUICK = ["bench", "--quick", "--meshes", "1d", "--scaling-points", "8,16"]
+QUICK = ["bench", "--quick", "--meshes", "dp2", "--scaling-points", "8,16"]
 
 # (optimizer, arm) -> (read, written) of post-processing + step, in units of G:
 # torch: unscale R+W, norm R, clip R+W, the optimizer's read R (fused Adam without grad_scale
@@ -42,7 +42,7 @@ STATE = {"sgd": 2, "adam_fused": 6}
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+def quick_run_output(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
     import subprocess
     import sys
 
@@ -50,12 +50,18 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     # An earlier run's files: the new run must replace them, never sit beside them.
     (out / "bench.json").write_text('{"stale": true}')
     (out / "bench.png").write_bytes(b"stale")
+    # On a pipe, as in a CI log: plain text, no bars.
     proc = subprocess.run(
         [sys.executable, "-m", "shardscale.cli", *QUICK, "--out", str(out)],
         capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return out, proc.stdout
+    return out, proc.stdout, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def quick_run(quick_run_output: tuple[Path, str, str]) -> tuple[Path, str]:
+    return quick_run_output[0], quick_run_output[1]
 
 
 @pytest.mark.multiprocess
@@ -67,8 +73,8 @@ def test_quick_run_measures_every_arm(quick_run: tuple[Path, str]) -> None:
     env = result["environment"]
     assert env["world_size"] == 2 and env["torch_num_threads"] >= 1 and env["cpu_count"] >= 1
     assert [(r["mesh"], r["optimizer"]) for r in result["rows"]] == [
-        ("1d", "sgd"),
-        ("1d", "adam_fused"),
+        ("dp2", "sgd"),
+        ("dp2", "adam_fused"),
     ]
     for row in result["rows"]:
         assert row["mesh_shape"] == [2] and row["local_grad_bytes"] == G
@@ -93,10 +99,10 @@ def test_quick_run_measures_every_arm(quick_run: tuple[Path, str]) -> None:
                 assert arm["collectives_comm_debug_mode"] == arm["collectives"] >= 2
                 assert arm["collectives_counted_with"] == "CommDebugMode"
             if name != "torch":
+                # 4 rounds: the interval is there, the verdict is withheld (too few rounds).
                 r = arm["ratio"]["step"]
-                assert r["low"] <= r["high"] and r["verdict"] in (
-                    "faster", "slower", "no difference measured"
-                )  # fmt: skip
+                assert r["low"] <= r["high"] and r["samples"] == row["rounds"]
+                assert r["verdict"] == "too few rounds for a verdict"
         assert row["aa"] == row["arms"]["torch_aa"]["ratio"]
         assert set(row["streaming_vs_ours"]) == {"step", "post", "backward"}
     points = result["scaling"]["points"]
@@ -133,6 +139,83 @@ def test_markdown_is_regenerated_from_the_json(
     assert main(["bench", "--from-json", str(out / "bench.json"), str(out / "other.json")]) == 0
     printed = capsys.readouterr().out
     assert "Ranges over 2 runs" in printed and "another run" in printed
+    # --json: the result as JSON, alone on stdout.
+    assert main(["bench", "--from-json", str(out / "bench.json"), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["rows"] == json.loads((out / "bench.json").read_text())["rows"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_quick_output_on_a_pipe_is_quiet_narrow_and_makes_no_claims(
+    quick_run_output: tuple[Path, str, str],
+) -> None:
+    import re
+
+    _, stdout, stderr = quick_run_output
+    both = stdout + stderr
+    # No profiler lines (kineto's "USDT: ... profiler_start"), no rank's stray output.
+    assert "USDT" not in both and "profiler_start" not in both and "STAGE:" not in both, both
+    for line in both.splitlines():
+        assert len(line) <= 120, (len(line), line)
+    assert "smoke run: too few rounds for verdicts" in stdout
+    assert "smoke run: too few rounds for verdicts" in stderr
+    assert not re.search(r"\b(faster|slower)\b", both), both
+    # The launches block is a table with a header row, not ;-separated cells.
+    lines = stdout.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("Launches per post-processing"))
+    header = next(ln for ln in lines[start:] if ln.startswith("mesh, optimizer / arm"))
+    assert "launches" in header and "host sync in clip" in header
+    assert not any(";" in ln and "n/a" in ln for ln in lines)
+    # Progress: plain lines on stderr (a pipe), what runs and an estimate; no carriage returns.
+    assert "timed rounds" in stderr and "left)" in stderr and "scaling table" in stderr
+    assert "\r" not in stderr and "\x1b[" not in stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_the_chart_draws_the_intervals_whole_counts_and_the_runs_kind(
+    quick_run: tuple[Path, str],
+) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.container import BarContainer
+
+    from shardscale.cli._bench_cmd import bench_figure
+
+    out, _ = quick_run
+    result = json.loads((out / "bench.json").read_text())
+    fig = bench_figure(result)
+    try:
+        title = fig._suptitle.get_text()
+        # 4192 parameters read as 4.19k, not "0.00419M"; a 4-round run says it is a smoke run.
+        assert "4.19k params" in title and "smoke run" in title, title
+        step_ax, post_ax, coll_ax = fig.axes
+        for ax, metric in ((step_ax, "step"), (post_ax, "post")):
+            bars = [c for c in ax.containers if isinstance(c, BarContainer)]
+            assert [c.get_label() for c in bars] == [
+                "torch", "torch again (A/A)", "ours", "ours + streaming stats"
+            ]  # fmt: skip
+            for container, arm in zip(bars, ["torch", "torch_aa", "ours", "ours_streaming"],
+                                      strict=True):  # fmt: skip
+                assert container.errorbar is not None, (metric, arm)
+                segments = container.errorbar.lines[2][0].get_segments()
+                if arm == "torch":  # the reference: no interval drawn
+                    assert all(len(seg) == 0 or math.isnan(seg[0][1]) for seg in segments)
+                    continue
+                assert len(segments) == len(result["rows"])
+                for seg, row in zip(segments, result["rows"], strict=True):
+                    (_, low), (_, high) = seg
+                    want = row["arms"][arm]["ratio"][metric]
+                    assert low == pytest.approx(want["low"]), (metric, arm)
+                    assert high == pytest.approx(want["high"]), (metric, arm)
+        ticks = [
+            t for t in coll_ax.get_yticks() if coll_ax.get_ylim()[0] <= t <= coll_ax.get_ylim()[1]
+        ]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+        assert all(c.errorbar is None for c in coll_ax.containers)  # counts have no interval
+    finally:
+        plt.close(fig)
 
 
 def test_non_finite_numbers_are_written_as_null(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardscale.cli.bench._host import HostConfig, format_host, main
+from shardscale.cli.bench._host import HostConfig, format_host, format_host_text, main
 
 
 @pytest.mark.parametrize(
@@ -54,6 +54,14 @@ def test_the_table_has_a_row_per_point_and_says_where_torch_did_not_run() -> Non
         "growth_interleaved": {"n_params": 20000, "base": 4000, "params_ratio": 5.0,
                                "time_ratio": _interval(5.2)},
     }  # fmt: skip
+    plain = format_host_text(result)
+    assert all(len(line) <= 120 for line in plain.splitlines()), plain
+    lines = plain.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("params"))
+    assert lines[head + 1].startswith("------")
+    assert lines[head + 2].split()[:2] == ["500", "0.90"] and "0.20 [0.19, 0.21]" in lines[head + 2]
+    assert lines[head + 3].split()[:2] == ["20000", "skipped"] and lines[head + 3].endswith("1.80")
+    assert "20000: projected too long" in plain
     text = format_host(result)
     rows = [line for line in text.splitlines() if line.startswith("| 500 ") or
             line.startswith("| 20000 ")]  # fmt: skip

@@ -1,4 +1,6 @@
-"""``shardscale bench`` refuses bad options with one line and status 2, before creating anything."""
+"""``shardscale bench`` refuses bad options with status 2, before creating anything: a value
+refused after parsing is one line; a command line that does not parse is bench's own usage
+and one error line. Every error line starts ``shardscale bench: error:``."""
 
 from __future__ import annotations
 
@@ -26,10 +28,12 @@ BAD: list[tuple[list[str], str]] = [
     (["--threads-per-rank", "-1"], "--threads-per-rank"),
     (["--world-size", "0"], "--world-size"),
     (["--meshes", ""], "--meshes"),
-    (["--meshes", "1d,"], "--meshes"),
+    (["--meshes", "dp2,"], "--meshes"),
     (["--mesh", "1x3"], "1x3"),
     (["--meshes", "3d"], "3d"),
-    (["--world-size", "3", "--meshes", "2d"], "even"),
+    (["--meshes", "2d"], "dp1xtp2"),  # the old spelling, with the new one
+    (["--meshes", "pp2"], "tp"),  # the benchmark runs dp and tp meshes only
+    (["--meshes", "dp4"], "4 ranks"),
     (["--optimizers", "lamb"], "lamb"),
     (["--optimizers", ""], "--optimizers"),
     (["--backend", "nosuchbackend"], "nosuchbackend"),
@@ -38,6 +42,7 @@ BAD: list[tuple[list[str], str]] = [
     (["--scaling-points", "0"], "--scaling-points"),
     (["--steps", "many"], "--steps"),
     (["--device", "tpu"], "tpu"),
+    (["--amp", "fp8"], "--amp"),
 ]
 
 
@@ -53,26 +58,37 @@ def test_bad_option_is_one_line_and_status_2(
     captured = capsys.readouterr()
     assert code == 2
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and word in lines[0], captured.err
+    assert lines[-1].startswith("shardscale bench: error:") and word in lines[-1], captured.err
+    # One line, or bench's own usage (never the top-level one) and the line.
+    assert len(lines) == 1 or lines[0].startswith("usage: shardscale bench "), captured.err
     assert captured.out == ""
     assert not out.exists()
 
 
-def test_unwritable_out_and_json_are_refused(
+def test_help_renders_the_percent_sign_once(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = capsys.readouterr().out
+    assert "95 % bootstrap" in text and "%%" not in text
+    assert "[host|scale]" in text  # optional: bench alone runs the main benchmark
+
+
+def test_unwritable_out_is_refused_and_json_takes_no_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
-    for argv in (
-        ["--out", str(a_file)],
-        ["--out", str(a_file / "sub")],
-        ["--out", str(tmp_path / "o"), "--json", str(tmp_path)],
-        ["--out", str(tmp_path / "o"), "--json", str(a_file / "x.json")],
-    ):
+    for argv in (["--out", str(a_file)], ["--out", str(a_file / "sub")]):
         assert main(["bench", "--quick", *argv]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
-        assert len(lines) == 1 and ("--out" in lines[0] or "--json" in lines[0]), lines
+        assert len(lines) == 1 and "--out" in lines[0], lines
         assert not (tmp_path / "o").exists()
+    # --json is a flag (JSON on stdout), never a file name.
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--quick", "--out", str(tmp_path / "o"), "--json", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "shardscale bench: error:" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("content", ["not json", json.dumps([1, 2]), json.dumps({"schema": 99})])

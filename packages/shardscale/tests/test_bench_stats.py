@@ -100,3 +100,29 @@ def test_two_arms_run_abba() -> None:
 def test_rounds_are_whole_cycles() -> None:
     assert rounds_for(30, 4) == 32 and rounds_for(32, 4) == 32 and rounds_for(30, 3) == 30
     assert rounds_for(31, 3) == 36
+
+
+def test_fewer_rounds_than_the_minimum_give_no_verdict_even_when_the_interval_excludes_one() -> (
+    None
+):
+    from shardscale.cli.bench._stats import MIN_VERDICT_SAMPLES, TOO_FEW
+
+    # A clear factor of 2 over 4 rounds: the interval excludes 1, but 4 rounds call nothing.
+    r = ratio_interval([2.0, 2.1, 1.9, 2.05], [1.0, 1.05, 0.95, 1.0])
+    assert r.low > 1.0 and r.samples == 4
+    assert r.verdict == TOO_FEW and "slower" not in r.verdict and "faster" not in r.verdict
+    assert r.as_dict()["verdict"] == TOO_FEW
+    # The same factor at the minimum is called.
+    n = MIN_VERDICT_SAMPLES
+    assert ratio_interval([2.0] * n, [1.0] * n).verdict == "slower"
+    assert ratio_interval([2.0] * (n - 1), [1.0] * (n - 1)).verdict == TOO_FEW
+    # Unpaired: the smaller side counts.
+    assert ratio_interval([2.0] * 40, [1.0] * (n - 1), paired=False).verdict == TOO_FEW
+    assert verdict(1.1, 1.2, samples=n - 1) == TOO_FEW
+
+
+def test_a_smoke_runs_aa_row_like_the_one_once_called_faster_gets_no_verdict() -> None:
+    # Torch against itself over 4 rounds, as in a --quick run: whatever the draw, no verdict.
+    for seed in range(20):
+        r = ratio_interval(_lognormal(4, seed=seed), _lognormal(4, seed=seed + 100))
+        assert r.verdict == "too few rounds for a verdict", (seed, r)

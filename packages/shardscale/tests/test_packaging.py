@@ -17,7 +17,7 @@ from shardscale.cli._floors import TORCH_FLOOR, TRITON_FLOOR, TRITON_PINS, below
 
 REPO = Path(__file__).resolve().parents[3]
 DISTS = ["shardscale-core", "shardscale-collectives", "shardscale-clip", "shardscale-fsdp",
-         "shardscale-telemetry", "shardscale"]  # fmt: skip
+         "shardscale-telemetry", "shardscale-schedules", "shardscale"]  # fmt: skip
 # Not dependencies of shardscale: checked where installed (the tests session), skipped alone.
 INTEGRATIONS = ["shardscale-lightning", "shardscale-accelerate", "shardscale-transformers",
                 "shardscale-torchtitan"]  # fmt: skip

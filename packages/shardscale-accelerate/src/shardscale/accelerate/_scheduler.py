@@ -7,7 +7,7 @@ read of a device flag on every scheduler step (a sync after a fused step).
 :class:`ShardscaleAcceleratedScheduler` keeps Accelerate's rules for when a
 scheduler moves (not while accumulating gradients; every call when
 ``step_scheduler_with_optimizer=False``), but on a synchronised step it hands
-the decision to core's :class:`~shardscale.core.DeferredStep`, the deferral of
+the decision to :class:`~shardscale.schedules.DeferredStep`, the deferral of
 ``SkipAwareScheduler``: the combined skip flag of its optimizers (skipped if
 any was, for any reason) is copied to the host asynchronously, and the wrapped
 scheduler advances, if no optimizer skipped, as soon as the copy has landed,
@@ -29,7 +29,7 @@ import torch
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.state import AcceleratorState
 
-from shardscale.core import DeferredStep
+from shardscale.schedules import DeferredStep
 
 __all__ = ["ShardscaleAcceleratedScheduler", "hold_prepared_scheduler"]
 

@@ -15,7 +15,6 @@ Quick start::
 from __future__ import annotations
 
 from shardscale.core._blas_kernels import BlasDotKernels
-from shardscale.core._ema import update_averaged_model
 from shardscale.core._errors import (
     BackendUnavailableError,
     DeclarationError,
@@ -29,21 +28,10 @@ from shardscale.core._errors import (
     SkipStreakError,
 )
 from shardscale.core._foreach_kernels import ForeachKernels
-from shardscale.core._held_scheduler import DeferredStep, SkipAwareScheduler
 from shardscale.core._hookspecs import ENTRY_POINT_GROUP, HOOK_KINDS, PROJECT, hookimpl
 from shardscale.core._lazy import lazy_exports
 from shardscale.core._local import LocalBackend
 from shardscale.core._loop_kernels import LoopKernels
-from shardscale.core._lr_schedule import (
-    ConstantSchedule,
-    CosineSchedule,
-    DeviceLRSchedule,
-    ExponentialSchedule,
-    LinearSchedule,
-    LRSchedule,
-    StepSchedule,
-    WarmupSchedule,
-)
 from shardscale.core._middleware_base import MiddlewareBase
 from shardscale.core._plain_adapter import PlainTensorAdapter, is_fsdp1_param
 from shardscale.core._protocols import (
@@ -69,7 +57,6 @@ from shardscale.core._registry import (
     get_registry,
     reset_registry,
 )
-from shardscale.core._skip_signal import SkipSource
 from shardscale.core.scaler._iteration import Iteration, step_and_flag
 from shardscale.core.scaler._overflow import OverflowReport
 from shardscale.core.scaler._scaler import OptState, ScalerStateError, ShardedGradScaler
@@ -114,19 +101,6 @@ __all__ = [
     "SkipReason",
     "SpikeSkip",
     "SkipStreakError",
-    # consumers of the skip signal: schedules and averaged weights that hold on skipped steps
-    "SkipSource",
-    "SkipAwareScheduler",
-    "DeferredStep",
-    "DeviceLRSchedule",
-    "LRSchedule",
-    "ConstantSchedule",
-    "LinearSchedule",
-    "CosineSchedule",
-    "StepSchedule",
-    "ExponentialSchedule",
-    "WarmupSchedule",
-    "update_averaged_model",
     # several optimizers, one update (front ends: see [Note: one update per iteration])
     "Iteration",
     "step_and_flag",

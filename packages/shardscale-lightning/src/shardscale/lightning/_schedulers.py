@@ -5,7 +5,7 @@ Lightning steps ``interval="step"`` schedulers after every optimizer step,
 skipped or not, through the module's ``lr_scheduler_step`` hook, which a
 precision plugin cannot see. The plugin therefore gives each such scheduler a
 subclass of its own class (created once per class) whose ``step`` hands the
-decision to core's :class:`~shardscale.core.DeferredStep`, the deferral of
+decision to :class:`~shardscale.schedules.DeferredStep`, the deferral of
 ``SkipAwareScheduler``: the skip flag of the scheduler's optimizer (for every
 reason: overflow, non-finite gradient, loss, spike) is copied to the host
 asynchronously, and the scheduler's own ``step`` runs, if the step was taken,
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from shardscale.core import DeferredStep
+from shardscale.schedules import DeferredStep
 
 __all__ = ["hold_on_skipped_steps", "is_held"]
 

@@ -17,6 +17,21 @@ shardscale's engine reads every DTensor's mesh and placements itself, so:
   that has that dim, as torchtitan's are); with plain-tensor stages (pipeline
   only, one stage per rank) the sum runs over ``pp_mesh``'s group with every
   rank's parameters counted, exactly torchtitan's reduction.
+
+[Note: one layout on every rank]
+The two reductions run over different process groups (the default group, or
+``pp_mesh``'s), so every rank must pick the same one, or the ranks wait in
+different collectives (a hang on pp 2 x dp 2) or disagree on the declaration
+(a ``DeclarationError`` where both groups are the whole world). The choice is
+made from the *parameters*, which every stage has whether or not they got a
+gradient: a frozen stage (``requires_grad=False``, or a stage whose backward
+produced no gradient) holds DTensor parameters exactly like its peers, so it
+joins the same all-reduce with nothing to add, as torchtitan's own function
+adds a norm of 0 there. A rank given no parameters at all has nothing to
+decide from; it takes the plain path when ``pp_mesh`` spans the whole world
+(pipeline only: nothing else to shard over) and the DTensor path otherwise
+(torchtitan shards the other dims with FSDP/TP). Whether the gradients present
+are DTensors or plain is checked afterwards, against the path chosen.
 """
 
 from __future__ import annotations
@@ -51,9 +66,16 @@ def _pipeline_layout(
             f"parallel_dims.get_optional_mesh('pp')), got a {pp_mesh.ndim}-D mesh with dim "
             f"names {names}"
         )
+    if params:
+        # From the parameters, never the gradients: see [Note: one layout on every rank].
+        dtensor_path = any(isinstance(p, DTensor) for p in params)
+    else:
+        import torch.distributed as dist
+
+        dtensor_path = pp_mesh.size() != dist.get_world_size()
     grads = [p.grad for p in params if p.grad is not None]
     dtensors = sum(isinstance(g, DTensor) for g in grads)
-    if dtensors == 0:
+    if not dtensor_path:
         return ("*",), pp_mesh.get_group()
     if dtensors != len(grads):
         raise ValueError(

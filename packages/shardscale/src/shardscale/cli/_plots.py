@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_training", "plot_benchmark"]
+__all__ = ["benchmark_figure", "plot_benchmark", "plot_training"]
 
 
 def _pyplot() -> Any:
@@ -71,19 +72,24 @@ def plot_training(
     return path
 
 
-def plot_benchmark(
+def benchmark_figure(
     labels: Sequence[str],
     panels: Mapping[str, Mapping[str, Sequence[float]]],
-    path: Path,
     *,
     title: str,
-) -> Path:
-    """Grouped bar charts, one panel per entry of ``panels`` (its key is the y label).
+    intervals: Mapping[str, tuple[Mapping[str, Sequence[float]], Mapping[str, Sequence[float]]]]
+    | None = None,
+) -> Any:
+    """The benchmark's figure (matplotlib ``Figure``): grouped bars, one panel per entry of ``panels``.
 
-    Each panel maps a series name to one value per label; a dashed line marks 1.0
-    on panels whose label says they are ratios.
+    Each panel maps a series name to one value per label (its key is the y label). A
+    dashed line marks 1.0 on panels whose label says they are ratios. ``intervals`` maps
+    a panel to (low, high) series drawn as error bars on its bars (nan: none). Panels
+    that are not ratios hold counts: their axis has whole-number ticks only.
     """
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(
         len(panels), 1, figsize=(max(7, 1.6 * len(labels) + 3), 3.2 * len(panels)),
         constrained_layout=True, squeeze=False,
@@ -92,18 +98,52 @@ def plot_benchmark(
         ratio = "/" in ylabel
         n = max(1, len(series))
         width = 0.8 / n
+        bounds = (intervals or {}).get(ylabel)
         for i, (name, values) in enumerate(series.items()):
             xs = [j + (i - (n - 1) / 2) * width for j in range(len(labels))]
-            bars = ax.bar(xs, values, width=width, label=name)
-            ax.bar_label(bars, fmt="%.2f" if ratio else "%g", fontsize=7)
+            yerr = None
+            if bounds is not None:
+                low, high = bounds[0][name], bounds[1][name]
+                # Bars without an interval (the reference) get none: nan draws nothing.
+                yerr = [[v - lo for v, lo in zip(values, low, strict=True)],
+                        [hi - v for v, hi in zip(values, high, strict=True)]]  # fmt: skip
+            bars = ax.bar(xs, values, width=width, label=name, yerr=yerr, capsize=3 if yerr else 0,
+                          error_kw={"elinewidth": 1.0, "ecolor": "black"})  # fmt: skip
+            if ratio:
+                # Upright at the bar's left edge, clear of the error bar down its middle.
+                for bar, value in zip(bars, values, strict=True):
+                    if math.isfinite(value):
+                        ax.text(bar.get_x() + 0.06 * bar.get_width(), 0.04 * max(value, 0.0),
+                                f"{value:.2f}", rotation=90, fontsize=7, ha="left",
+                                va="bottom")  # fmt: skip
+            else:
+                ax.bar_label(bars, fmt="%d", fontsize=7, padding=2)
         if ratio:
             ax.axhline(1.0, color="black", lw=0.8, ls="--")
+        else:
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.margins(y=0.12)
         ax.set_xticks(range(len(labels)), labels)
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
         if k == 0:
             ax.legend(fontsize=8)
     fig.suptitle(title)
+    return fig
+
+
+def plot_benchmark(
+    labels: Sequence[str],
+    panels: Mapping[str, Mapping[str, Sequence[float]]],
+    path: Path,
+    *,
+    title: str,
+    intervals: Mapping[str, tuple[Mapping[str, Sequence[float]], Mapping[str, Sequence[float]]]]
+    | None = None,
+) -> Path:
+    """Draw :func:`benchmark_figure` into the PNG at ``path``."""
+    plt = _pyplot()
+    fig = benchmark_figure(labels, panels, title=title, intervals=intervals)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -170,11 +170,11 @@ def run_plugins(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
         "both apply, the lookup is an error naming both (never install order).",
         file=out,
     )
-    # Plugins with no hook (the trainer integrations) own no row above: name them here.
+    # Plugins with no hook (the trainer integrations, the schedules) own no row above: name them.
     bare = [p for p in data["plugins"] if not p["hooks"]]
     if bare:
         listed = ", ".join(f"{p['name']} ({p['distribution']} {p['version']})" for p in bare)
-        print(f"also installed, used from their frameworks: {listed}", file=out)
+        print(f"also installed, used from code or frameworks, not the registry: {listed}", file=out)
     for f in data["failures"]:
         version = f" {f['version']}" if f["version"] else ""
         if f["blocked"]:

@@ -28,7 +28,6 @@ it after the decision that wrote it.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,15 +37,12 @@ import torch
 from shardscale.core.step._vector import VectorLayout
 
 __all__ = [
+    "StepScratch",
     "TINY64",
     "LocalValues",
     "Probe",
-    "constant",
     "fill_local",
-    "fresh_outputs",
     "global_norm",
-    "local_values",
-    "probe",
     "reason_into",
 ]
 
@@ -55,28 +51,6 @@ __all__ = [
 TINY64 = math.ulp(0.0)
 
 _F64 = torch.float64
-
-
-@functools.lru_cache(maxsize=64)
-def constant(value: float, device: torch.device, dtype: torch.dtype = _F64) -> torch.Tensor:
-    """A cached 0-dim tensor on ``device``, float64 unless ``dtype`` says (never written)."""
-    return torch.tensor(value, dtype=dtype).to(device)
-
-
-@functools.lru_cache(maxsize=64)
-def _index(slots: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(slots, dtype=torch.int64).to(device)
-
-
-@functools.lru_cache(maxsize=8)
-def _base(
-    size: int, constants: tuple[tuple[int, float], ...], device: torch.device
-) -> torch.Tensor:
-    # Never written: fill_local's index_put is out of place.
-    vec = torch.zeros(size, dtype=_F64)
-    for at, value in constants:
-        vec[at] = value
-    return vec.to(device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,14 +66,8 @@ class LocalValues:
     slots: dict[str, torch.Tensor]
 
 
-@functools.lru_cache(maxsize=32)
-def local_values(names: tuple[str, ...], device: torch.device) -> LocalValues:
-    """The cached :class:`LocalValues` for ``names`` (``PER_RANK`` or ``SHARED`` names)."""
-    buffer = torch.zeros(len(names), dtype=_F64, device=device)
-    return LocalValues(names, buffer, dict(zip(names, buffer.unbind(), strict=True)))
-
-
 def fill_local(
+    scratch: StepScratch,
     layout: VectorLayout,
     rank: int,
     values: LocalValues,
@@ -115,13 +83,13 @@ def fill_local(
     constants = [(layout.slot("status", rank), status)]
     if peak_floor:
         constants.append((layout.slot("peak", rank), TINY64))
-    base = _base(layout.size, tuple(constants), device)
+    base = scratch.base(layout.size, tuple(constants), device)
     if not values.names:
         return base.clone()
     index = tuple(
         layout.shared(n) if n in layout.SHARED else layout.slot(n, rank) for n in values.names
     )
-    return torch.index_put(base, (_index(index, device),), values.buffer)
+    return torch.index_put(base, (scratch.index(index, device),), values.buffer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,8 +117,7 @@ class Probe:
     spike: torch.Tensor
 
 
-@functools.lru_cache(maxsize=8)
-def probe(
+def _new_probe(
     world: int, status: float, weights: tuple[tuple[str, int], ...], device: torch.device
 ) -> Probe:
     """The cached :class:`Probe` of a ``world``-rank layout for a rank whose own status is
@@ -232,13 +199,108 @@ def global_norm(
     return value, per_rank
 
 
-@functools.lru_cache(maxsize=16)
-def _template(device: torch.device) -> torch.Tensor:
-    # found_inf, skip, coef, a float32 norm: what a step that decided nothing would hold.
-    return torch.tensor([0.0, 0.0, 1.0, 0.0], dtype=torch.float32).to(device)
+class StepScratch:
+    """The device constants and scratch of the steps of one owner (see [Note: whose scratch]).
+
+    [Note: whose scratch]
+    Every tensor a step caches -- constants (the expected vector, the
+    indices, the weights, 0-dim numbers, the output template) and scratch it
+    writes (:class:`LocalValues`, :class:`Probe`'s flags) -- lives on a
+    ``StepScratch``, never in a module: two trainings in two threads of one
+    process, or ranks run as threads (torch's threaded process group), must
+    each see only their own numbers. A step plan holds one per thread that
+    steps it (:meth:`~shardscale.core.step._plan.StepPlan.scratch`), so a warm
+    step copies nothing from the host; a cold step whose plan is not built
+    yet uses a fresh one. Each cache is keyed on everything its value is made
+    from (the values, the layout, the device).
+    """
+
+    __slots__ = ("_bases", "_constants", "_indices", "_locals", "_probes", "_templates")
+
+    def __init__(self) -> None:
+        self._constants: dict[tuple[object, torch.device, torch.dtype], torch.Tensor] = {}
+        self._indices: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+        self._bases: dict[
+            tuple[int, tuple[tuple[int, float], ...], torch.device], torch.Tensor
+        ] = {}
+        self._locals: dict[tuple[tuple[str, ...], torch.device], LocalValues] = {}
+        self._probes: dict[tuple[int, float, tuple[tuple[str, int], ...], torch.device], Probe] = {}
+        self._templates: dict[torch.device, torch.Tensor] = {}
+
+    def constant(
+        self, value: float, device: torch.device, dtype: torch.dtype = _F64
+    ) -> torch.Tensor:
+        """A 0-dim tensor on ``device``, float64 unless ``dtype`` says (never written)."""
+        # nan != nan: every nan shares one entry (a float key would add one per call).
+        key: tuple[object, torch.device, torch.dtype] = (
+            (value if not math.isnan(value) else "nan"),
+            device,
+            dtype,
+        )
+        hit = self._constants.get(key)
+        if hit is None:
+            hit = self._constants[key] = torch.tensor(value, dtype=dtype).to(device)
+        return hit
+
+    def index(self, slots: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """``slots`` as an int64 tensor on ``device`` (never written)."""
+        key = (slots, device)
+        hit = self._indices.get(key)
+        if hit is None:
+            hit = self._indices[key] = torch.tensor(slots, dtype=torch.int64).to(device)
+        return hit
+
+    def base(
+        self, size: int, constants: tuple[tuple[int, float], ...], device: torch.device
+    ) -> torch.Tensor:
+        """A float64 vector of ``size`` zeros but ``constants`` (never written: filled out of
+        place by :func:`fill_local`)."""
+        key = (size, constants, device)
+        hit = self._bases.get(key)
+        if hit is None:
+            vec = torch.zeros(size, dtype=_F64)
+            for at, value in constants:
+                vec[at] = value
+            hit = self._bases[key] = vec.to(device)
+        return hit
+
+    def local_values(self, names: tuple[str, ...], device: torch.device) -> LocalValues:
+        """The :class:`LocalValues` scratch for ``names`` (``PER_RANK`` or ``SHARED`` names)."""
+        key = (names, device)
+        hit = self._locals.get(key)
+        if hit is None:
+            buffer = torch.zeros(len(names), dtype=_F64, device=device)
+            hit = LocalValues(names, buffer, dict(zip(names, buffer.unbind(), strict=True)))
+            self._locals[key] = hit
+        return hit
+
+    def probe(
+        self,
+        world: int,
+        status: float,
+        weights: tuple[tuple[str, int], ...],
+        device: torch.device,
+    ) -> Probe:
+        """The :class:`Probe` of a ``world``-rank layout for a rank whose own status is
+        ``status`` (-1 when it failed), with ``weights`` (block or shared name, reason;
+        ``"spike"`` for the spike flag)."""
+        key = (world, status, weights, device)
+        hit = self._probes.get(key)
+        if hit is None:
+            if len(self._probes) >= _MAX_PROBES:  # statuses change with declarations: bounded
+                self._probes.pop(next(iter(self._probes)))
+            hit = self._probes[key] = _new_probe(world, status, weights, device)
+        return hit
+
+    def fresh_outputs(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """New 0-dim float32 ``found_inf`` (0), ``skip`` (0), ``coef`` (1) and a norm to write
+        (:func:`global_norm`'s ``out``): two ops."""
+        template = self._templates.get(device)
+        if template is None:
+            template = torch.tensor([0.0, 0.0, 1.0, 0.0], dtype=torch.float32).to(device)
+            self._templates[device] = template
+        return template.clone().unbind()
 
 
-def fresh_outputs(device: torch.device) -> tuple[torch.Tensor, ...]:
-    """New 0-dim float32 ``found_inf`` (0), ``skip`` (0), ``coef`` (1) and a norm to write
-    (:func:`global_norm`'s ``out``): two ops."""
-    return _template(device).clone().unbind()
+#: Probes one scratch keeps (a rank's status differs per declarations and chain).
+_MAX_PROBES = 8

@@ -10,9 +10,7 @@ import torch
 
 from shardscale.core._protocols import Handle
 from shardscale.core.step._arith import (
-    constant,
     global_norm,
-    probe,
     reason_into,
 )
 from shardscale.core.step._errors import (
@@ -60,7 +58,8 @@ def decide(result: StepResult, local: LocalStep, request: StepRequest) -> None:
     spike = verdict.spike if verdict is not None and p is not None else None
     # -1 matches no status: a rank that failed sets the flag itself (see Probe).
     own = -1.0 if local.error is not None else status_of(local, result.chain)
-    found = probe(layout.world, own, _weights(verdict, spike=spike is not None), vec.device)
+    scratch = local.scratch()
+    found = scratch.probe(layout.world, own, _weights(verdict, spike=spike is not None), vec.device)
     # float64 when this rank reads float64 gradients, as torch; decided locally (no host read
     # of the vector), so ranks agree whenever they hold the same parameter dtypes.
     f64 = any(dtype is torch.float64 for _, dtype in local.buckets.every)
@@ -81,18 +80,20 @@ def decide(result: StepResult, local: LocalStep, request: StepRequest) -> None:
     torch.ge(reason, int(SkipReason.NONFINITE), out=result.found_inf)
     if value is not None:
         # float32 constants: the result keeps the value's dtype.
-        nan, inf = (constant(v, vec.device, torch.float32) for v in (math.nan, math.inf))
+        nan, inf = (scratch.constant(v, vec.device, torch.float32) for v in (math.nan, math.inf))
         result.norm = torch.where(bad, torch.where(found.nan, nan, inf), value)
         if not math.isinf(max_norm):
             # In float64 from the reported norm (float32 + float64 0-dim tensors: float64).
-            clip = constant(max_norm, vec.device) / (result.norm + constant(EPS, vec.device))
+            clip = scratch.constant(max_norm, vec.device) / (
+                result.norm + scratch.constant(EPS, vec.device)
+            )
             # As torch's clip_grad_norm_, a nan norm gives a nan coefficient (minimum keeps it).
             if scale is None:
-                torch.minimum(clip, constant(1.0, vec.device), out=result.coef)
+                torch.minimum(clip, scratch.constant(1.0, vec.device), out=result.coef)
             else:
                 # With a scaler an overflow step is skipped: leave the grads as unscale_ would
                 # (found_inf is 1 then; fmax takes it over a coefficient of 0 or nan).
-                clip = torch.minimum(clip, constant(1.0, vec.device))
+                clip = torch.minimum(clip, scratch.constant(1.0, vec.device))
                 torch.fmax(clip, result.found_inf, out=result.coef)
     if request.apply is Apply.FUSED:
         assert scale is not None

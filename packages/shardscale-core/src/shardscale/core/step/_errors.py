@@ -28,6 +28,7 @@ stays in :data:`_pending` and is raised by the next step or ``update()``
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -259,28 +260,36 @@ class _PendingResult(Protocol):
     def errors_arrived(self) -> bool: ...
 
 
-#: Accelerator steps whose error blocks are still being copied to the host.
-_pending: list[_PendingResult] = []
+class _PendingList(threading.local):  # type: ignore[misc]
+    """Accelerator steps whose error blocks are still being copied to the host, per thread:
+    a training (or a rank run as a thread) raises only its own steps' errors."""
+
+    def __init__(self) -> None:
+        self.results: list[_PendingResult] = []
+
+
+_pending = _PendingList()
 
 
 def add_pending(result: _PendingResult) -> None:
     """Keep ``result`` until its error blocks are read (``raise_errors`` removes it)."""
-    _pending.append(result)
+    _pending.results.append(result)
 
 
 def drop_pending(result: _PendingResult) -> None:
     """Forget ``result`` (its error blocks were read)."""
-    if result in _pending:
-        _pending.remove(result)
+    if result in _pending.results:
+        _pending.results.remove(result)
 
 
 def raise_pending_errors(*, wait: bool) -> None:
     """Raise a failure recorded by an earlier accelerator step (see ``StepResult.raise_errors``)."""
-    while _pending:
-        result = _pending[0]
+    pending = _pending.results
+    while pending:
+        result = pending[0]
         if not wait and not result.errors_arrived:
             return
-        _pending.pop(0)
+        pending.pop(0)
         result.raise_errors(wait=True)
 
 

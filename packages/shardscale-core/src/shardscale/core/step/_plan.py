@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import threading
 import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ from typing import Any, cast
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardscale.core.step._arith import StepScratch
 from shardscale.core.step._collect import GradBuckets, Trace, dtensor_type
 
 __all__ = [
@@ -113,6 +115,17 @@ class StepPlan:
     replica_listing: str | None = None
     #: How many warm steps reused it.
     uses: int = 0
+    #: The device constants and scratch of its steps, one per thread that steps it (see
+    #: [Note: whose scratch] in ``_arith``).
+    scratches: dict[int, StepScratch] = field(default_factory=dict)
+
+    def scratch(self) -> StepScratch:
+        """This thread's :class:`StepScratch` for the plan's steps."""
+        me = threading.get_ident()
+        hit = self.scratches.get(me)
+        if hit is None:
+            hit = self.scratches[me] = StepScratch()
+        return hit
 
     @property
     def alive(self) -> bool:

@@ -12,8 +12,6 @@ from shardscale.core._protocols import Handle, ReduceOp
 from shardscale.core.step._arith import (
     TINY64,
     fill_local,
-    fresh_outputs,
-    local_values,
 )
 from shardscale.core.step._collect import GradBuckets
 from shardscale.core.step._errors import (
@@ -66,7 +64,7 @@ def reduce(
         reading, local, device=device, chain=chain, loss_nonfinite=request.loss_nonfinite
     )
     handle = _issue(vec, config)
-    found_inf, skip, coef, norm32 = fresh_outputs(device)
+    found_inf, skip, coef, norm32 = local.scratch().fresh_outputs(device)
     result = StepResult(
         found_inf=found_inf,
         norm=None,
@@ -113,7 +111,7 @@ def _local_vector(
         names += ("nan",)
     if loss_nonfinite is not None:
         names += ("loss_nonfinite",)
-    values = local_values(names, device)
+    values = local.scratch().local_values(names, device)
     out = values.slots
     if norm and p is not None:
         n = _joined(reading.counted_norms).nan_to_num(0.0, 0.0, 0.0)  # finite ones only
@@ -149,6 +147,7 @@ def _local_vector(
         torch.ne(observed, 0, out=out["loss_nonfinite"])
     floor = p is not None and not math.isinf(p)
     vec = fill_local(
+        local.scratch(),
         VectorLayout(local.world),
         local.rank,
         values,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from shardscale.core._protocols import AdapterContext, CollectiveBackend
+from shardscale.core.step._arith import StepScratch
 from shardscale.core.step._collect import GradBuckets, Trace
 from shardscale.core.step._errors import (
     ErrorBlocks,
@@ -292,6 +293,17 @@ class LocalStep:
     warm: bool = False
     #: A cold step's key, catalog and trace, to build a plan from once the checks pass.
     seed: tuple[Any, object, Trace] | None = None
+    #: The scratch of a step without a plan (a cold step that failed its checks).
+    own_scratch: StepScratch | None = None
+
+    def scratch(self) -> StepScratch:
+        """The plan's scratch for this thread, or one of the step's own (see [Note: whose
+        scratch] in ``_arith``)."""
+        if self.plan is not None:
+            return self.plan.scratch()
+        if self.own_scratch is None:
+            self.own_scratch = StepScratch()
+        return self.own_scratch
 
     def record(self, exc: BaseException) -> None:
         """Keep the first error; the step goes on with nothing to read."""

@@ -27,7 +27,6 @@ were finite at this scale, which is what the growth interval measures).
 from __future__ import annotations
 
 import enum
-import functools
 import math
 import numbers
 from collections.abc import Mapping
@@ -37,7 +36,6 @@ from typing import Any
 import torch
 
 from shardscale.core._errors import SkipStreakError
-from shardscale.core.step._arith import constant
 from shardscale.core.step._host_copy import HostCopy
 
 __all__ = [
@@ -166,7 +164,17 @@ class SpikeWindow:
     values have mean ``(w/n) m`` and ``Σ (x - mean)^2 = w (v + m^2 - (w/n) m^2)``.
     """
 
-    __slots__ = ("_host", "_rows", "_tables", "_tested", "buffer", "count", "policy")
+    __slots__ = (
+        "_abs",
+        "_host",
+        "_one",
+        "_rows",
+        "_tables",
+        "_tested",
+        "buffer",
+        "count",
+        "policy",
+    )
 
     def __init__(self, policy: SpikeSkip) -> None:
         self.policy = policy
@@ -176,6 +184,9 @@ class SpikeWindow:
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self._tested: torch.Tensor | None = None  # the last norm is_spike tested, float64
         self._host: tuple[list[float], int] = ([], 0)
+        # The window's own constants (see [Note: whose scratch] in _arith).
+        self._abs: torch.Tensor | None = None
+        self._one: torch.Tensor | None = None
 
     def materialize(self, device: torch.device) -> None:
         """Create the device tensors from the host content (once, beside the scale)."""
@@ -192,6 +203,9 @@ class SpikeWindow:
         self._rows = (rows.to(device), counters.to(device))
         self.buffer, self.count = self._rows[0][0], self._rows[1][0]
         self._tables = self._coefficients(device)
+        self._one = torch.ones((), dtype=torch.int64, device=device)
+        if self.policy.max_norm_abs is not None:
+            self._abs = torch.tensor(self.policy.max_norm_abs, dtype=torch.float64).to(device)
 
     def _coefficients(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         # Indexed by min(count, last): the held count is min(count, window), armed from
@@ -240,7 +254,8 @@ class SpikeWindow:
         if policy.max_norm_abs is not None:
             if isinstance(threshold, torch.Tensor):
                 # fmin: an unarmed (nan) relative threshold leaves the absolute one.
-                threshold = torch.fmin(threshold, constant(policy.max_norm_abs, norm.device))
+                assert self._abs is not None
+                threshold = torch.fmin(threshold, self._abs)
             else:
                 threshold = policy.max_norm_abs
         if out is None:
@@ -257,7 +272,8 @@ class SpikeWindow:
         rows, counters = self._rows
         at = self.count.remainder(self.policy.window)
         rows.index_put_((reason, at), self._tested)
-        counters.index_put_((reason,), _one(counters.device), accumulate=True)
+        assert self._one is not None
+        counters.index_put_((reason,), self._one, accumulate=True)
 
     def state(self) -> tuple[list[float], int]:
         """The accepted norms held, oldest first, and how many were accepted (a host read)."""
@@ -278,11 +294,6 @@ class SpikeWindow:
             self.buffer = self.count = None
             self._rows = None
             self.materialize(device)
-
-
-@functools.lru_cache(maxsize=8)
-def _one(device: torch.device) -> torch.Tensor:
-    return torch.ones((), dtype=torch.int64, device=device)
 
 
 def validate_spike_state(state: Mapping[str, Any]) -> tuple[list[float], int] | None:

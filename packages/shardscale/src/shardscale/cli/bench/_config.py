@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "AMP_DTYPES",
     "ARMS",
     "MESH_KINDS",
     "OPTIMIZERS",
@@ -26,6 +27,8 @@ __all__ = [
 ARMS = ("torch", "torch_aa", "ours", "ours_fuse_optimizer", "ours_streaming", "ours_foreach")
 OPTIMIZERS = ("sgd", "adam_fused")
 MESH_KINDS = ("1d", "2d")
+#: ``--amp`` values and the autocast dtype each names (None: no autocast).
+AMP_DTYPES = {"none": None, "fp16": "float16", "bf16": "bfloat16"}
 
 
 class BenchOptionError(ValueError):
@@ -49,6 +52,9 @@ class BenchConfig:
     streaming: bool = True
     backend: str = "counting+c10d"
     device: str = "cpu"
+    #: Forward under ``torch.autocast`` in this dtype (``fp16``: the fp16 recipe the scaler is
+    #: for; ``none``: fp32 throughout, the CPU default). Parameters and gradients stay fp32.
+    amp: str = "none"
     threads_per_rank: int = 0  # 0: the CPU count divided by the world size
     seed: int = 0  # bootstrap RNG seed
     resamples: int = 2000  # bootstrap resamples
@@ -102,10 +108,14 @@ def quick(cfg: BenchConfig) -> BenchConfig:
 
 
 def mesh_shape(kind: str, world_size: int) -> tuple[int, ...]:
-    """The mesh for ``kind``: ``1d`` is (world,), ``2d`` is (world/2, 2) = dp x tp, ``AxB`` as given.
+    """The mesh for ``kind``: ``1d`` is (world,), ``2d`` is (world/2, 2) = dp x tp, otherwise a
+    mesh in the grammar of ``shardscale.cli._mesh_spec`` (``dp4``, ``dp2xtp2``, bare ``N`` or
+    ``AxB``) with dp and, inside it, tp.
 
     Raises :class:`BenchOptionError` when the shape does not cover ``world_size`` ranks.
     """
+    from shardscale.cli._mesh_spec import MeshSpecError, parse_mesh_spec
+
     if kind == "1d":
         return (world_size,)
     if kind == "2d":
@@ -114,17 +124,20 @@ def mesh_shape(kind: str, world_size: int) -> tuple[int, ...]:
                 f"--meshes 2d needs an even --world-size (dp x tp=2), got {world_size}"
             )
         return (world_size // 2, 2)
-    parts = kind.lower().split("x")
-    if not 1 <= len(parts) <= 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    try:
+        spec = parse_mesh_spec(kind, option="--meshes")
+    except MeshSpecError as exc:
+        raise BenchOptionError(str(exc)) from None
+    if spec.names not in (("dp",), ("dp", "tp")):
         raise BenchOptionError(
-            f"unknown mesh {kind!r}: use 1d, 2d, N or AxB (dp x tp), e.g. --meshes 1d,1x2"
+            f"--meshes {kind!r}: the benchmark shards with FSDP over dp and, inside it, tensor "
+            f"parallelism over tp; use dpN or dpAxtpB (e.g. dp{world_size})"
         )
-    shape = tuple(int(p) for p in parts)
-    if math.prod(shape) != world_size:
+    if spec.size != world_size:
         raise BenchOptionError(
-            f"mesh {kind} has {math.prod(shape)} ranks but --world-size is {world_size}"
+            f"--meshes {kind!r} has {spec.size} ranks but --world-size is {world_size}"
         )
-    return shape
+    return spec.sizes
 
 
 def _positive(name: str, value: float, *, zero_ok: bool = False) -> None:
@@ -165,7 +178,7 @@ def check_config(cfg: BenchConfig) -> None:
             f"--cold-repeats must be >= 3 (min/median/max), got {cfg.cold_repeats}"
         )
     if not cfg.meshes:
-        raise BenchOptionError("--meshes is empty: choose from 1d, 2d, N or AxB")
+        raise BenchOptionError("--meshes is empty: give meshes such as dp2,dp1xtp2")
     if not cfg.optimizers:
         raise BenchOptionError("--optimizers is empty: choose from " + ", ".join(OPTIMIZERS))
     if not cfg.rows and not cfg.scaling_points:
@@ -180,6 +193,8 @@ def check_config(cfg: BenchConfig) -> None:
     for point in cfg.scaling_points:
         if point < 1:
             raise BenchOptionError(f"--scaling-points must be >= 1, got {point}")
+    if cfg.amp not in AMP_DTYPES:
+        raise BenchOptionError(f"--amp must be one of {', '.join(AMP_DTYPES)}, got {cfg.amp!r}")
     if cfg.device not in ("cpu", "cuda"):
         raise BenchOptionError(f"--device must be cpu or cuda, got {cfg.device!r}")
     _check_backend(cfg.backend)

@@ -21,12 +21,13 @@ import torch
 
 from shardscale.cli.bench._arms import Arm, make_arms
 from shardscale.cli.bench._bytes import GradBytesCounter, local_tensor
-from shardscale.cli.bench._config import BenchConfig, mesh_shape
+from shardscale.cli.bench._config import AMP_DTYPES, BenchConfig, mesh_shape
 from shardscale.cli.bench._launches import count_launches, host_sync
 from shardscale.cli.bench._order import balanced_order, rounds_for
+from shardscale.cli.bench._progress import ProgressFile
 from shardscale.cli.bench._workload import Net
 
-__all__ = ["COUNTING_MAX_NORM", "run_config"]
+__all__ = ["COUNTING_MAX_NORM", "rounds_per_config", "run_config"]
 
 #: max_norm of the step in which bytes are counted: far below any gradient norm, so the
 #: clipping coefficient is < 1 and every write changes bits (see [Note: counting gradient bytes]).
@@ -144,8 +145,25 @@ def _count_bytes(arm: Arm, loss_of: Any) -> dict[str, Any]:
     }
 
 
-def run_config(cfg: BenchConfig, mesh_kind: str, opt_name: str) -> dict[str, Any]:
-    """Time every arm on one mesh and optimizer; the result is the same on every rank."""
+def rounds_per_config(cfg: BenchConfig) -> int:
+    """Rounds (warm-up and measured) of one mesh and optimizer, plus one unit for the counts."""
+    return cfg.warmup + rounds_for(cfg.steps, len(cfg.arms())) + 1
+
+
+def run_config(
+    cfg: BenchConfig,
+    mesh_kind: str,
+    opt_name: str,
+    *,
+    progress: ProgressFile | None = None,
+    done_before: int = 0,
+    total: int = 0,
+) -> dict[str, Any]:
+    """Time every arm on one mesh and optimizer; the result is the same on every rank.
+
+    ``progress`` hears of every round (as ``done_before`` + rounds done, of ``total``), between
+    rounds: never inside a timed part.
+    """
     import torch.distributed as dist
 
     world = dist.get_world_size()
@@ -166,8 +184,18 @@ def run_config(cfg: BenchConfig, mesh_kind: str, opt_name: str) -> dict[str, Any
         if cfg.device == "cuda":
             torch.cuda.synchronize()
 
+    amp = AMP_DTYPES[cfg.amp]
+
     def loss_for(step: int) -> Any:
-        return lambda arm: arm.model(batch(step)).float().pow(2).mean()
+        def loss(arm: Arm) -> torch.Tensor:
+            if amp is None:
+                out: torch.Tensor = arm.model(batch(step))
+            else:
+                with torch.autocast(device.type, dtype=getattr(torch, amp)):
+                    out = arm.model(batch(step))
+            return out.float().pow(2).mean()
+
+        return loss
 
     # Warm-up needs no balance; any run of whole cycles after it is balanced (the design is cyclic).
     warm = cfg.warmup
@@ -175,7 +203,11 @@ def run_config(cfg: BenchConfig, mesh_kind: str, opt_name: str) -> dict[str, Any
     order = balanced_order(len(arms), warm + measured)
     # [arm, round, (forward+backward, post, whole step)] in seconds, this rank.
     times = torch.zeros(len(arms), measured, 3, dtype=torch.float64)
+    label = f"{mesh_kind} {opt_name}"
     for rnd, row in enumerate(order):
+        if progress is not None:
+            what = "warm-up" if rnd < warm else f"round {rnd - warm + 1}/{measured}"
+            progress.event("rows", label=f"{label}: {what}", done=done_before + rnd, total=total)
         for index in row:
             arm = arms[index]
             dist.barrier()
@@ -208,6 +240,9 @@ def run_config(cfg: BenchConfig, mesh_kind: str, opt_name: str) -> dict[str, Any
         "arms": {},
     }
     step_after = warm + measured
+    if progress is not None:
+        progress.event("rows", label=f"{label}: counting collectives, bytes, launches",
+                       done=done_before + len(order), total=total)  # fmt: skip
     for i, arm in enumerate(arms):
         rec: dict[str, Any] = {
             "backward_ms": (times[i, :, 0] * 1e3).tolist(),
@@ -221,4 +256,8 @@ def run_config(cfg: BenchConfig, mesh_kind: str, opt_name: str) -> dict[str, Any
         rec.update(_launches_and_syncs(arm, loss_for(step_after + 2), cfg.max_norm, device))
         out["arms"][arm.name] = rec
     out["local_grad_bytes"] = sum(g.numel() * g.element_size() for g in _local_grads(arms[0].model))
+    if progress is not None:
+        progress.event(
+            "rows", label=f"{label}: done", done=done_before + len(order) + 1, total=total
+        )
     return out

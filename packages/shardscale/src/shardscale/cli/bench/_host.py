@@ -45,20 +45,38 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
 from shardscale.cli.bench._arms import make_scaler
 from shardscale.cli.bench._bytes import local_tensor
 from shardscale.cli.bench._order import balanced_order, rounds_for
-from shardscale.cli.bench._stats import median, ratio_interval, summary
+from shardscale.cli.bench._stats import (
+    MIN_VERDICT_SAMPLES,
+    SMOKE_RUN,
+    median,
+    ratio_interval,
+    summary,
+)
 from shardscale.cli.bench._workload import TinyParams
 
-__all__ = ["HostConfig", "format_host", "main", "run_host"]
+if TYPE_CHECKING:
+    from shardscale.cli.bench._launch import RankFiles
+
+__all__ = [
+    "HostConfig",
+    "add_host_arguments",
+    "format_host",
+    "format_host_text",
+    "host_config",
+    "main",
+    "run_host",
+    "run_host_command",
+]
 
 _ARMS = ("torch", "torch_aa", "ours")
 
@@ -247,24 +265,30 @@ def _interleaved_growth(cfg: HostConfig, mesh: Any) -> dict[str, Any] | None:
             "time_ratio": got.as_dict(), "samples_s": samples}  # fmt: skip
 
 
-def _worker(rank: int, cfg: HostConfig, store: str, result_path: str) -> None:
+def _worker(rank: int, files: RankFiles, cfg: HostConfig) -> None:
     import logging
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shardscale.cli.bench._launch import exit_worker
+    from shardscale.cli.bench._launch import exit_worker, rank_output_to_log
+    from shardscale.cli.bench._progress import ProgressFile
 
+    rank_output_to_log(files, rank)
+    result_path = files.result
+    progress = ProgressFile(files.progress, enabled=rank == 0)
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"file://{files.store}", rank=rank,
                             world_size=cfg.world_size)  # fmt: skip
     try:
         mesh = init_device_mesh("cpu", (cfg.world_size,), mesh_dim_names=("dp",))
         points: list[dict[str, Any]] = []
         spent = 0.0  # on torch's cold calls, the same on every rank (reduced samples)
         last: tuple[int, float] | None = None
-        for count in sorted(cfg.points):
+        counts = sorted(cfg.points)
+        for k, count in enumerate(counts):
+            progress.event("points", label=f"{count} parameters", done=k, total=len(counts) + 1)
             # Beyond torch_max, torch runs only on a projection from a point it ran.
             projected = math.inf if last is None else last[1] * (count / last[0]) ** 2
             with_torch = count <= cfg.torch_max or spent + projected <= cfg.torch_budget_s
@@ -283,10 +307,10 @@ def _worker(rank: int, cfg: HostConfig, store: str, result_path: str) -> None:
             point["elapsed_s"] = time.perf_counter() - started
             points.append(point)
             if rank == 0:
-                print(f"  {count} parameters: done in {point['elapsed_s']:.0f} s",
-                      file=sys.stderr, flush=True)  # fmt: skip
                 with open(result_path, "w") as fh:  # after every point: a cut run keeps its data
                     json.dump({"points": points, "growth": _growth(points, cfg)}, fh)
+        progress.event("points", label="growth, interleaved", done=len(counts),
+                       total=len(counts) + 1)  # fmt: skip
         growth = _interleaved_growth(cfg, mesh)
         if rank == 0 and growth is not None:
             with open(result_path, "w") as fh:
@@ -297,18 +321,17 @@ def _worker(rank: int, cfg: HostConfig, store: str, result_path: str) -> None:
     exit_worker()
 
 
-def run_host(cfg: HostConfig) -> dict[str, Any]:
-    """Run the host table in ``cfg.world_size`` fresh processes; returns the raw results."""
+def run_host(cfg: HostConfig, *, progress: TextIO | None = None) -> dict[str, Any]:
+    """Run the host table in ``cfg.world_size`` fresh processes; returns the raw results.
+
+    ``progress``: where to show the points as they run (None: nowhere).
+    """
     cfg.check()
-    from torch.multiprocessing.spawn import spawn
+    from shardscale.cli.bench._launch import run_ranks
 
     started = time.time()
     load = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="shardscale-host-") as tmp:
-        store, path = os.path.join(tmp, "store"), os.path.join(tmp, "result.json")
-        spawn(_worker, args=(cfg, store, path), nprocs=cfg.world_size, join=True)  # type: ignore[no-untyped-call]
-        with open(path) as fh:
-            raw: dict[str, Any] = json.load(fh)
+    raw = run_ranks(_worker, (cfg,), cfg.world_size, stream=progress)
     return {
         "schema": 1,
         "kind": "host",
@@ -384,45 +407,124 @@ def format_host(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m shardscale.cli.bench._host [options]`` (what ``nox -s bench_host`` runs)."""
-    parser = argparse.ArgumentParser(prog="bench_host", description=__doc__.splitlines()[0])
-    parser.add_argument("--points", default=None, help="comma list, e.g. 500,1000,4000")
-    parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--cold-repeats", type=int, default=None)
-    parser.add_argument("--torch-budget", type=float, default=None, help="seconds")
-    parser.add_argument("--torch-max", type=int, default=None, help="torch always runs up to")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default=None)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 small points")
-    parser.add_argument("--json", default=None, help="write the raw results here")
-    parser.add_argument("--from-json", default=None, help="print the table of an earlier run")
-    args = parser.parse_args(argv)
-    if args.from_json:
-        with open(args.from_json) as fh:
-            print(format_host(json.load(fh)))
-        return 0
+def format_host_text(result: dict[str, Any]) -> str:
+    """The host table as plain text within 120 columns (the Markdown has the µs/param columns)."""
+    import textwrap
+
+    md = format_host(result).split("\n")
+    head = textwrap.wrap(md[0], width=118)
+    rows = [("params", "torch cold s", "ours cold ms", "torch ms", "ours ms",
+             "ours/torch [95% CI]", "A/A [95% CI]", "cold/warm [95% CI]")]  # fmt: skip
+    for p in result["points"]:
+        c = p["ours_cold"]
+        has_torch = "torch" in p["warm"]
+        rows.append((
+            str(p["n_params"]),
+            f"{p['torch_cold_s']:.2f}" if has_torch else "skipped",
+            f"{c['min'] * 1e3:.1f}/{c['median'] * 1e3:.1f}/{c['max'] * 1e3:.1f}",
+            f"{p['warm']['torch']['median'] * 1e3:.1f}" if has_torch else "skipped",
+            f"{p['warm']['ours']['median'] * 1e3:.1f}",
+            _interval(p["ratio"]) if has_torch else "-",
+            _interval(p["aa"]) if has_torch else "-",
+            _interval(p["cold_over_warm"]) if "cold_over_warm" in p
+            else f"{p['ours_cold_over_warm_derived']:.2f}",
+        ))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    table = ["  ".join(c.rjust(w) if i in (0, 1, 3, 4) else c.ljust(w)
+                       for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+             for r in rows]  # fmt: skip
+    table.insert(1, "-" * len(table[0]))
+    tail = [ln for ln in md[md.index("| ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | ---: |") + 1 :]
+            if not ln.startswith("|")]  # fmt: skip
+    wrapped = [w for ln in tail for w in (textwrap.wrap(ln, width=118) if ln.strip() else [""])]
+    return "\n".join([*head, "", *table, *wrapped])
+
+
+def add_host_arguments(parser: argparse.ArgumentParser) -> None:
+    """The host table's options (``shardscale bench host``)."""
+    a = parser.add_argument
+    a("--points", default=None, help="comma list of parameter counts (default 500,1000,2000,4000,"
+      "8000,20000)")  # fmt: skip
+    a("--rounds", type=int, default=None, help="warm rounds per point (default 24)")
+    a("--cold-repeats", type=int, default=None, help="ours' cold samples per point (default 7)")
+    a("--torch-budget", type=float, default=None, help="seconds for torch's cold calls beyond "
+      "--torch-max (default 240)")  # fmt: skip
+    a("--torch-max", type=int, default=None, help="torch runs at every point up to this many "
+      "parameters (default 4000)")  # fmt: skip
+    a("--clock", choices=("wall", "cpu"), default=None, help="wall (default) or cpu time")
+    a("--quick", action="store_true", help="smoke run: 2 small points, 6 rounds (no verdicts)")
+    a("--out", type=Path, default=None, metavar="DIR", help="folder for host.json")
+    a("--json", action="store_true", help="print the result as JSON on stdout instead of the table")
+    a("--markdown", action="store_true", help="print the table as Markdown (docs/benchmark.md)")
+    a("--from-json", type=Path, default=None, metavar="FILE",
+      help="print the table of an earlier run instead of running")  # fmt: skip
+
+
+def host_config(args: argparse.Namespace) -> HostConfig:
+    """The :class:`HostConfig` the options ask for; ValueError (one line) when one is bad."""
     fields: dict[str, Any] = {}
     if args.quick:
         fields.update(points=(50, 100), rounds=6, resamples=200, cold_repeats=5, growth_base=50)
     if args.points:
-        fields["points"] = tuple(int(x) for x in args.points.split(","))
+        try:
+            fields["points"] = tuple(int(x) for x in args.points.split(","))
+        except ValueError:
+            raise ValueError(
+                f"--points needs a comma list of whole numbers, got {args.points!r}"
+            ) from None
     for name, value in (("rounds", args.rounds), ("cold_repeats", args.cold_repeats),
                         ("torch_budget_s", args.torch_budget), ("torch_max", args.torch_max),
                         ("clock", args.clock)):  # fmt: skip
         if value is not None:
             fields[name] = value
     cfg = HostConfig(**fields)
-    try:
-        cfg.check()
-    except ValueError as exc:
-        print(f"bench_host: error: {exc}", file=sys.stderr)
-        return 2
-    result = run_host(cfg)
+    cfg.check()
+    return cfg
+
+
+def run_host_command(args: argparse.Namespace, *, prog: str = "shardscale bench host") -> int:
+    """Run (or print) the host table as the options say; 2 on a bad option, else 0."""
+    out, human = sys.stdout, sys.stderr if args.json else sys.stdout
+    if args.from_json is not None:
+        try:
+            result = json.loads(args.from_json.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            print(f"{prog}: error: --from-json {args.from_json}: {exc}", file=sys.stderr)
+            return 2
+    else:
+        try:
+            cfg = host_config(args)
+        except ValueError as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return 2
+        if args.out is not None and args.out.exists() and not args.out.is_dir():
+            print(f"{prog}: error: --out {args.out}: exists and is not a folder", file=sys.stderr)
+            return 2
+        print(f"{prog}: {cfg.world_size} processes, points {', '.join(map(str, cfg.points))}"
+              f"{' (smoke run)' if args.quick else ''}", file=sys.stderr, flush=True)  # fmt: skip
+        result = run_host(cfg, progress=sys.stderr)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
-    print(format_host(result))
+        print(json.dumps(result, indent=1), file=out)
+    else:
+        smoke = result["config"]["rounds"] < MIN_VERDICT_SAMPLES
+        text = format_host(result) if args.markdown else format_host_text(result)
+        print((SMOKE_RUN + "\n" if smoke else "") + text, file=human)
+    if args.out is not None and args.from_json is None:
+        from shardscale.cli.bench._report import write_json
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = write_json(result, args.out / "host.json")
+        print(f"\njson: {path}", file=human, flush=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m shardscale.cli.bench._host [options]``: the same as ``shardscale bench host``."""
+    parser = argparse.ArgumentParser(
+        prog="shardscale bench host", description=__doc__.splitlines()[0]
+    )
+    add_host_arguments(parser)
+    return run_host_command(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

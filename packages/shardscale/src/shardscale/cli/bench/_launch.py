@@ -1,4 +1,13 @@
-"""Start the ranks, run every configuration and the scaling table, collect one result dict."""
+"""Start the ranks, run every configuration and the scaling table, collect one result dict.
+
+[Note: quiet ranks]
+:func:`run_ranks` starts the ranks of every benchmark (this one, ``--policies``
+and the host table) with one temporary folder: the file store, the result
+JSON, rank 0's progress events (``_progress``) and one log per rank. Each
+rank sends its stdout and stderr to its log (:func:`rank_output_to_log`), so
+the terminal shows only the parent's lines: the progress and the tables. When
+a rank fails, the end of every rank's log is printed before the error.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +17,108 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
-from typing import Any, NoReturn
+from pathlib import Path
+from typing import Any, NoReturn, TextIO
 
 import torch
 
 from shardscale.cli.bench._config import BenchConfig, check_config
 
-__all__ = ["exit_worker", "run_benchmark", "worker_group"]
+__all__ = [
+    "RankFiles",
+    "exit_worker",
+    "rank_output_to_log",
+    "run_benchmark",
+    "run_ranks",
+    "worker_group",
+]
+
+#: The progress bars' titles, by task.
+TITLES = {"rows": "timed rounds", "scaling": "scaling table", "points": "host table"}
+
+
+class RankFiles:
+    """The files of one run's temporary folder, as every rank and the parent name them."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.store = os.path.join(folder, "store")
+        self.result = os.path.join(folder, "result.json")
+        self.progress = os.path.join(folder, "progress.jsonl")
+
+    def log(self, rank: int) -> str:
+        """Rank ``rank``'s stdout and stderr."""
+        return os.path.join(self.folder, f"rank{rank}.log")
+
+
+def rank_output_to_log(files: RankFiles, rank: int) -> None:
+    """Send this process's stdout and stderr (Python's and C's) to its rank's log."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(files.log(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _log_tails(files: RankFiles, nprocs: int, lines: int = 20) -> str:
+    out = []
+    for rank in range(nprocs):
+        try:
+            with open(files.log(rank), encoding="utf-8", errors="replace") as fh:
+                text = fh.read().strip().splitlines()[-lines:]
+        except FileNotFoundError:
+            continue
+        if text:
+            out.append(f"--- rank {rank} (last {len(text)} lines of its output) ---")
+            out += text
+    return "\n".join(out)
+
+
+def run_ranks(
+    worker: Callable[..., None],
+    args: tuple[Any, ...],
+    nprocs: int,
+    *,
+    stream: TextIO | None,
+) -> dict[str, Any]:
+    """Run ``worker(rank, files, *args)`` in ``nprocs`` fresh processes; rank 0's result JSON.
+
+    Shows rank 0's progress on ``stream`` (None: nothing) while waiting; see
+    [Note: quiet ranks] and [Note: progress from the ranks].
+    """
+    from torch.multiprocessing.spawn import spawn
+
+    from shardscale.cli.bench._launches import quiet_kineto
+    from shardscale.cli.bench._progress import ProgressView, read_events
+
+    quiet_kineto()  # inherited by the ranks: set before any of them profiles
+    with tempfile.TemporaryDirectory(prefix="shardscale-bench-") as tmpdir:
+        files = RankFiles(tmpdir)
+        ctx = spawn(worker, args=(files, *args), nprocs=nprocs, join=False)  # type: ignore[no-untyped-call]
+        try:
+            if stream is None:
+                while not ctx.join(timeout=0.25):
+                    pass
+            else:
+                with ProgressView(TITLES, stream=stream) as view:
+                    view.note(f"  starting {nprocs} processes (imports and process group first)")
+                    offset, done = 0, False
+                    while not done:
+                        done = ctx.join(timeout=0.25)  # raises when a rank failed
+                        events, offset = read_events(Path(files.progress), offset)
+                        view.show(events)
+        except Exception:
+            tails = _log_tails(files, nprocs)
+            if tails:
+                print(tails, file=sys.stderr, flush=True)
+            raise
+        with open(files.result) as fh:
+            result: dict[str, Any] = json.load(fh)
+    return result
 
 
 def _load() -> list[float] | None:
@@ -27,29 +128,27 @@ def _load() -> list[float] | None:
         return None
 
 
-def _progress(rank: int, text: str) -> None:
-    if rank == 0:  # stderr: stdout carries only the tables
-        print(f"  {text}", file=sys.stderr, flush=True)
-
-
-def _worker(rank: int, cfg: BenchConfig, store_path: str, result_path: str) -> None:
+def _worker(rank: int, files: RankFiles, cfg: BenchConfig) -> None:
     import logging
 
-    from shardscale.cli.bench._harness import run_config
+    from shardscale.cli.bench._harness import rounds_per_config, run_config
+    from shardscale.cli.bench._progress import ProgressFile
     from shardscale.cli.bench._scaling import run_scaling
 
+    rank_output_to_log(files, rank)
     # DTensor warns on every multi-dim redistribute of torch's recipe; the table says it better.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    with worker_group(rank, cfg, store_path):
+    progress = ProgressFile(files.progress, enabled=rank == 0)
+    with worker_group(rank, cfg, files.store):
         started = time.perf_counter()
         rows = []
-        for mesh in cfg.meshes if cfg.rows else ():
-            for opt in cfg.optimizers:
-                rows.append(run_config(cfg, mesh, opt))
-                _progress(rank, f"{mesh} {opt}: done after {time.perf_counter() - started:.0f} s")
+        configs = [(m, o) for m in (cfg.meshes if cfg.rows else ()) for o in cfg.optimizers]
+        per = rounds_per_config(cfg)
+        for k, (mesh, opt) in enumerate(configs):
+            rows.append(run_config(cfg, mesh, opt, progress=progress, done_before=k * per,
+                                   total=len(configs) * per))  # fmt: skip
         rows_s = time.perf_counter() - started
-        scaling = run_scaling(cfg) if cfg.scaling_points else None
-        _progress(rank, f"scaling table: done after {time.perf_counter() - started:.0f} s")
+        scaling = run_scaling(cfg, progress=progress) if cfg.scaling_points else None
         if rank == 0:
             result = {
                 "rows": rows,
@@ -60,7 +159,7 @@ def _worker(rank: int, cfg: BenchConfig, store_path: str, result_path: str) -> N
                     "load_average_end": _load(),
                 },
             }
-            with open(result_path, "w") as fh:
+            with open(files.result, "w") as fh:
                 json.dump(result, fh)
     exit_worker()
 
@@ -110,25 +209,20 @@ def _environment(cfg: BenchConfig) -> dict[str, Any]:
     }
 
 
-def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
+def run_benchmark(cfg: BenchConfig, *, progress: TextIO | None = None) -> dict[str, Any]:
     """Run ``cfg`` in ``cfg.world_size`` fresh processes and return the raw results.
 
     The dict has ``config``, ``environment``, ``rows`` (one per mesh and
     optimizer, every sample of every arm) and ``scaling``; summarise it with
     :func:`shardscale.cli.bench.analyse`. Raises
     :class:`~shardscale.cli.bench.BenchOptionError` before starting anything
-    when an option cannot run.
+    when an option cannot run. ``progress``: where to show rank 0's progress
+    (a live bar on a terminal with rich, plain lines otherwise; None: nowhere).
     """
     check_config(cfg)
-    from torch.multiprocessing.spawn import spawn
-
     env = _environment(cfg)
     started = time.time()
-    with tempfile.TemporaryDirectory(prefix="shardscale-bench-") as tmpdir:
-        store, result_path = os.path.join(tmpdir, "store"), os.path.join(tmpdir, "result.json")
-        spawn(_worker, args=(cfg, store, result_path), nprocs=cfg.world_size, join=True)  # type: ignore[no-untyped-call]
-        with open(result_path) as fh:
-            raw = json.load(fh)
+    raw = run_ranks(_worker, (cfg,), cfg.world_size, stream=progress)
     worker = raw.pop("worker")
     env["torch_num_threads"] = worker["torch_num_threads"]
     env["load_average_end"] = worker["load_average_end"]

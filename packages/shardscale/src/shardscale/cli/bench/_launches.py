@@ -9,6 +9,18 @@ dispatched at the top level (an op called by another op is part of it), the
 unit a GPU would launch at least one kernel for -- which is how the counter
 itself is tested without a GPU.
 
+Kineto, the profiler's engine, writes ``USDT: ... profiler_start`` and
+``profiler_stop`` lines to stderr on every profile at its default log level
+(those are the lines that filled ``shardscale bench``'s output, once per
+count and rank). :func:`quiet_kineto` sets ``KINETO_LOG_LEVEL`` above every
+level kineto has; kineto reads it when a process first profiles, so the
+counter calls it first, and the benchmark sets it before starting its ranks.
+(A dispatch-mode counter would print nothing without it, but counts a
+different unit -- the views a composite op decomposes into, the optimizer's
+kernels inside its profiler scope, no ``aten::to`` that copies nothing -- and
+the op budgets of ``test_step_op_budget`` and every published launch count
+are in this one.)
+
 :func:`host_sync` runs a call once under
 ``torch.cuda.set_sync_debug_mode("error")``, where any host-device
 synchronisation raises, and returns what raised (``None``: no sync). On the
@@ -18,12 +30,13 @@ running the call.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["count_launches", "host_sync"]
+__all__ = ["count_launches", "host_sync", "quiet_kineto"]
 
 _NOT_LAUNCHES = ("Memcpy", "Memset", "memcpy", "memset")
 
@@ -32,9 +45,23 @@ def _device_type(device: torch.device | str) -> str:
     return torch.device(device).type
 
 
+#: Kineto's log levels are VERBOSE 0 ... ERROR 4 and USDT 5; above them it prints nothing.
+_KINETO_SILENT = "6"
+
+
+def quiet_kineto() -> None:
+    """Keep kineto's per-profile log lines off stderr (effective before a process first profiles).
+
+    A ``KINETO_LOG_LEVEL`` the user set is left as it is.
+    """
+    os.environ.setdefault("KINETO_LOG_LEVEL", _KINETO_SILENT)
+
+
 def count_launches(fn: Callable[[], Any], device: torch.device | str) -> int:
     """The kernels ``fn()`` launches on a CUDA ``device``, or its top-level aten ops on the CPU."""
     from torch.profiler import ProfilerActivity, profile
+
+    quiet_kineto()
 
     cuda = _device_type(device) == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

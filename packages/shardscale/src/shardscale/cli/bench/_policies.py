@@ -30,10 +30,9 @@ from __future__ import annotations
 import copy
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -41,6 +40,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shardscale.cli.bench._config import BenchConfig
 from shardscale.cli.bench._order import balanced_order, rounds_for
 from shardscale.cli.bench._stats import median, ratio_interval
+
+if TYPE_CHECKING:
+    from shardscale.cli.bench._launch import RankFiles
 
 __all__ = ["POLICY_ARMS", "format_policies", "run_policies"]
 
@@ -179,35 +181,30 @@ def _scaling(options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def _worker(rank: int, cfg: BenchConfig, store_path: str, result_path: str) -> None:
-    from shardscale.cli.bench._launch import exit_worker, worker_group
+def _worker(rank: int, files: RankFiles, cfg: BenchConfig) -> None:
+    from shardscale.cli.bench._launch import exit_worker, rank_output_to_log, worker_group
 
-    with worker_group(rank, cfg, store_path):
+    rank_output_to_log(files, rank)
+    with worker_group(rank, cfg, files.store):
         result = _arm_steps(cfg)
         if rank == 0:
             result["torch_num_threads"] = torch.get_num_threads()
-            with open(result_path, "w") as fh:
+            with open(files.result, "w") as fh:
                 json.dump(result, fh)
     exit_worker()
 
 
-def run_policies(cfg: BenchConfig) -> dict[str, Any]:
+def run_policies(cfg: BenchConfig, *, progress: TextIO | None = None) -> dict[str, Any]:
     """Run the policy arms in ``cfg.world_size`` fresh processes; analysed results.
 
     Uses ``cfg``'s model size, rounds, warm-up, first optimizer, ``max_norm``,
     backend and bootstrap settings (see [Note: the policy-cost benchmark]).
     """
-    from torch.multiprocessing.spawn import spawn
-
-    from shardscale.cli.bench._launch import _environment
+    from shardscale.cli.bench._launch import _environment, run_ranks
 
     env = _environment(cfg)
     started = time.time()
-    with tempfile.TemporaryDirectory(prefix="shardscale-bench-policies-") as tmpdir:
-        store, result_path = os.path.join(tmpdir, "store"), os.path.join(tmpdir, "result.json")
-        spawn(_worker, args=(cfg, store, result_path), nprocs=cfg.world_size, join=True)  # type: ignore[no-untyped-call]
-        with open(result_path) as fh:
-            raw = json.load(fh)
+    raw = run_ranks(_worker, (cfg,), cfg.world_size, stream=progress)
     env["torch_num_threads"] = raw.pop("torch_num_threads")
     try:
         env["load_average_end"] = [round(x, 2) for x in os.getloadavg()]

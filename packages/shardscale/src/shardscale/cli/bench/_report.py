@@ -17,9 +17,29 @@ from pathlib import Path
 from typing import Any
 
 from shardscale.cli.bench._passes import floor_passes, floor_ratio
-from shardscale.cli.bench._stats import median, ratio_interval
+from shardscale.cli.bench._stats import (
+    MIN_VERDICT_SAMPLES,
+    NO_DIFFERENCE,
+    SMOKE_RUN,
+    TOO_FEW,
+    median,
+    ratio_interval,
+)
 
-__all__ = ["analyse", "format_markdown", "format_ranges", "format_table", "sanitize", "write_json"]
+__all__ = [
+    "TEXT_WIDTH",
+    "analyse",
+    "format_markdown",
+    "format_ranges",
+    "format_table",
+    "is_smoke",
+    "params_text",
+    "sanitize",
+    "write_json",
+]
+
+#: The plain-text tables fit a terminal this wide.
+TEXT_WIDTH = 120
 
 _METRICS = ("step", "post", "backward")
 _LABEL = {"torch": "torch", "torch_aa": "torch again (A/A)", "ours": "ours",
@@ -110,19 +130,31 @@ def _launch_lines(result: dict[str, Any], *, markdown: bool) -> list[str]:
     if not rows:
         return []
     kinds = {a.get("launches_counted_as") for r in rows for a in r["arms"].values()} - {None}
-    out = ["", f"Launches per post-processing step ({', '.join(sorted(kinds))}) and host syncs "
-           "(set_sync_debug_mode('error'); clip = unscale + clip alone, post = with step and update):"]  # fmt: skip
+    title = (f"Launches per post-processing step ({', '.join(sorted(kinds))}) and host syncs "
+             "(set_sync_debug_mode('error'); clip = unscale + clip alone, post = with step and "
+             "update):")  # fmt: skip
     if markdown:
-        out += ["", "| mesh | optimizer | arm | launches | host sync in clip | host sync in post |",
-                "| --- | --- | --- | ---: | --- | --- |"]  # fmt: skip
+        out = ["", title, "", "| mesh | optimizer | arm | launches | host sync in clip | host sync in post |",
+               "| --- | --- | --- | ---: | --- | --- |"]  # fmt: skip
+        for row in rows:
+            for name, arm in row["arms"].items():
+                if "launches_post" in arm:
+                    cells = [_mesh(row), row["optimizer"], _LABEL.get(name, name),
+                             str(arm["launches_post"]), _sync(arm.get("host_sync_clip")),
+                             _sync(arm.get("host_sync_post"))]  # fmt: skip
+                    out.append("| " + " | ".join(cells) + " |")
+        return out
+    out = ["", *_wrap(title)]
+    # Host-sync texts (a CUDA error's first line) are cut to fit; the JSON and Markdown keep them.
+    table = [(_ARM_HEAD, "launches", "host sync in clip", "host sync in post")]
     for row in rows:
+        table.append((_group(row), "", "", ""))
         for name, arm in row["arms"].items():
-            if "launches_post" not in arm:
-                continue
-            cells = [_mesh(row), row["optimizer"], _LABEL.get(name, name), str(arm["launches_post"]),
-                     _sync(arm.get("host_sync_clip")), _sync(arm.get("host_sync_post"))]  # fmt: skip
-            out.append("| " + " | ".join(cells) + " |" if markdown else "  " + "; ".join(cells))
-    return out
+            if "launches_post" in arm:
+                table.append((f"  {_LABEL.get(name, name)}", str(arm["launches_post"]),
+                              _cut(_sync(arm.get("host_sync_clip")), 38),
+                              _cut(_sync(arm.get("host_sync_post")), 38)))  # fmt: skip
+    return out + _columns(table, right=(1,))
 
 
 def sanitize(value: Any) -> Any:
@@ -170,6 +202,8 @@ def _mib(n: Any) -> str:
 def _mesh(row: dict[str, Any]) -> str:
     dims = row.get("mesh_dims", [])
     shape = " x ".join(f"{d}{s}" for d, s in zip(dims, row["mesh_shape"], strict=False))
+    if row["mesh"] == shape.replace(" x ", "x"):  # a mesh named in the grammar: its shape says it
+        return shape
     return f"{row['mesh']} ({shape})"
 
 
@@ -180,6 +214,67 @@ def _bytes(arm: dict[str, Any]) -> str:
     return text
 
 
+def params_text(n: int) -> str:
+    """A parameter count people read: ``4.2k``, ``8.4M``, ``1.3B``, or the number itself below 1000."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(n)
+
+
+def is_smoke(result: dict[str, Any]) -> bool:
+    """Whether the run's timed rows or scaling table have too few samples for verdicts."""
+    rounds = [row["rounds"] for row in result.get("rows", [])]
+    sc = result.get("scaling") or {}
+    if sc.get("points"):
+        rounds.append(sc["warm_repeats"])
+    return any(r < MIN_VERDICT_SAMPLES for r in rounds)
+
+
+def _wrap(text: str, indent: str = "") -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width=TEXT_WIDTH - 2, subsequent_indent=indent) or [""]
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _columns(rows: Sequence[tuple[str, ...]], *, right: Sequence[int] = ()) -> list[str]:
+    """Aligned text columns, two spaces apart; the first row is the header, underlined.
+
+    A row whose cells after the first are all empty is a group heading, printed as it is.
+    """
+    body = [r for r in rows if any(r[1:])]
+    widths = [max(len(r[i]) for r in body) for i in range(len(rows[0]))]
+    out = []
+    for k, r in enumerate(rows):
+        if k and not any(r[1:]):
+            out.append(r[0])
+            continue
+        cells = [c.rjust(w) if i in right else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(r, widths, strict=True))]  # fmt: skip
+        out.append("  ".join(cells).rstrip())
+        if k == 0:
+            out.append("-" * len(out[-1]))
+    return out
+
+
+_ARM_HEAD = "mesh, optimizer / arm"
+
+
+def _group(row: dict[str, Any]) -> str:
+    return f"{_mesh(row)}, {row['optimizer']}"
+
+
+def _short_verdict(r: dict[str, Any] | None) -> str:
+    """The verdict column of the text table: faster, slower, same (no difference), or -."""
+    if r is None or r["verdict"] == TOO_FEW:
+        return "-"
+    return "no diff." if r["verdict"] == NO_DIFFERENCE else str(r["verdict"])
+
+
 def _heading(result: dict[str, Any]) -> list[str]:
     cfg, env = result["config"], result["environment"]
     row0 = result["rows"][0] if result.get("rows") else None
@@ -188,66 +283,89 @@ def _heading(result: dict[str, Any]) -> list[str]:
         f"{env['device']} ({env['machine']}, {env['cpu_count']} CPUs, load average "
         f"{env.get('load_average_start')} -> {env.get('load_average_end')}), torch {env['torch']}, "
         f"{env['torch_num_threads']} thread(s) per rank"
+        + (f", forward under autocast {cfg['amp']}" if cfg.get("amp", "none") != "none" else "")
+    )
+    smoke = [SMOKE_RUN] if is_smoke(result) else []
+    verdicts = (
+        f"verdicts need {MIN_VERDICT_SAMPLES} rounds: the intervals are shown, no claim is made"
+        if smoke
+        else "a ratio is called faster/slower only when its interval excludes 1 (no diff.: it "
+        f"includes 1), from {MIN_VERDICT_SAMPLES} rounds up"
     )
     if row0 is None:
-        return [f"shardscale bench ({result.get('started', '?')}), scaling table only: {machine}"]
+        return [
+            *smoke,
+            *_wrap(
+                f"shardscale bench ({result.get('started', '?')}), scaling table only: {machine}"
+            ),
+            *_wrap(verdicts),
+        ]
     return [
-        f"shardscale bench ({result.get('started', '?')}): {cfg['n_params'] / 1e6:.1f}M-parameter "
-        f"FSDP2 model, {machine}",
-        f"{row0['rounds']} measured rounds per arm after {row0['warmup_rounds']} warm-up, arms in a balanced (Williams) order; step = forward + backward (hooks "
-        "included) + post; post = unscale + clip + step + update; the slowest rank per round",
-        f"ratio = median(arm) / median(torch), [95 % paired bootstrap interval, "
-        f"{cfg['resamples']} resamples, seed {cfg['seed']}]; a ratio is called faster/slower only "
-        "when its interval excludes 1",
+        *smoke,
+        *_wrap(
+            f"shardscale bench ({result.get('started', '?')}): {params_text(cfg['n_params'])}-"
+            f"parameter FSDP2 model, {machine}"
+        ),
+        *_wrap(
+            f"{row0['rounds']} measured rounds per arm after {row0['warmup_rounds']} warm-up, "
+            "arms in a balanced (Williams) order; step = forward + backward (hooks included) + "
+            "post; post = unscale + clip + step + update; the slowest rank per round"
+        ),
+        *_wrap(
+            f"ratio = median(arm) / median(torch) [95 % paired bootstrap interval, "
+            f"{cfg['resamples']} resamples, seed {cfg['seed']}]; {verdicts}"
+        ),
+    ]
+
+
+def _counts_note(result: dict[str, Any]) -> list[str]:
+    row0 = result["rows"][0]
+    return _wrap(
         "coll. = collectives per step (ours: counting middleware, torch: CommDebugMode); grad "
         "MiB R/W = gradient memory read/written by post + step, counted per aten op on rank "
         f"{row0.get('counts_from_rank', 0)}; passes = gradient-sized reads + writes of "
         "gradients, parameters and optimizer state, counted the same way; floor = the fewest "
-        "for that recipe (docs/benchmark.md), -> its ratio to torch's passes",
-    ]
-
-
-def _verdict(r: dict[str, Any] | None) -> str:
-    return "" if r is None else str(r["verdict"])
+        "for that recipe (docs/benchmark.md), -> its ratio to torch's passes"
+    )
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """The main table, the A/A line and the scaling table as plain text."""
-    lines = [*_heading(result), ""]
+    """The main table, the A/A line and the scaling table as plain text within 120 columns."""
+    lines = [*_heading(result)]
     if result.get("rows"):
-        head = (f"{'mesh':<16}{'optimizer':<12}{'arm':<24}{'step ms':>9}  {'step ratio [95% CI]':<22}"
-                f"{'verdict':<24}{'post ms':>9}  {'post ratio [95% CI]':<22}{'verdict':<24}"
-                f"{'coll.':>6}  {'passes (floor -> ratio)':<26}grad MiB R/W")  # fmt: skip
-        lines += [head, "-" * len(head)]
+        times = [(_ARM_HEAD, "step ms", "step ratio [95% CI]", "verdict", "post ms",
+                  "post ratio [95% CI]", "verdict")]  # fmt: skip
+        counts = [(_ARM_HEAD, "coll.", "passes (floor -> ratio)", "grad MiB R/W")]
         for row in result["rows"]:
+            times.append((_group(row), "", "", "", "", "", ""))
+            counts.append((_group(row), "", "", ""))
             for name, arm in row["arms"].items():
                 r = arm.get("ratio")
-                lines.append(
-                    f"{_mesh(row):<16}{row['optimizer']:<12}{_LABEL.get(name, name):<24}"
-                    f"{_num(arm['median_ms']['step'], '.1f'):>9}  {_ci(r and r['step']):<22}"
-                    f"{_verdict(r and r['step']):<24}{_num(arm['median_ms']['post'], '.2f'):>9}  "
-                    f"{_ci(r and r['post']):<22}{_verdict(r and r['post']):<24}"
-                    f"{arm['collectives']:>6}  {_passes_cell(arm):<26}{_bytes(arm)}"
-                )
+                label = f"  {_LABEL.get(name, name)}"
+                times.append((
+                    label, _num(arm["median_ms"]["step"], ".1f"), _ci(r and r["step"]),
+                    _short_verdict(r and r["step"]), _num(arm["median_ms"]["post"], ".2f"),
+                    _ci(r and r["post"]), _short_verdict(r and r["post"]),
+                ))  # fmt: skip
+                counts.append((label, str(arm["collectives"]), _passes_cell(arm), _bytes(arm)))
+        lines += ["", "Time per step:", *_columns(times, right=(1, 4))]
+        lines += ["", "Counts per step:", *_counts_note(result), *_columns(counts, right=(1,))]
         lines += ["", "A/A (torch against itself, the noise floor of this run):"]
         for row in result["rows"]:
             if "aa" in row:
                 lines.append(
-                    f"  {_mesh(row)} {row['optimizer']}: step {_ci(row['aa']['step'])}, "
-                    f"post {_ci(row['aa']['post'])}"
+                    f"  {_group(row)}: step {_ci(row['aa']['step'])}, post {_ci(row['aa']['post'])}"
                 )
-        lines += [
-            "",
-            "Streaming statistics against plain unscale_and_clip_ (ours + streaming / ours):",
-        ]
+        vs = [(_ARM_HEAD, "step [95% CI]", "verdict", "backward [95% CI]", "post [95% CI]",
+               "verdict")]  # fmt: skip
         for row in result["rows"]:
             if "streaming_vs_ours" in row:
                 sv = row["streaming_vs_ours"]
-                lines.append(
-                    f"  {_mesh(row)} {row['optimizer']}: step {_ci(sv['step'])} "
-                    f"{sv['step']['verdict']}, backward {_ci(sv['backward'])} "
-                    f"{sv['backward']['verdict']}, post {_ci(sv['post'])} {sv['post']['verdict']}"
-                )
+                vs.append((f"  {_group(row)}", _ci(sv["step"]), _short_verdict(sv["step"]),
+                           _ci(sv["backward"]), _ci(sv["post"]), _short_verdict(sv["post"])))  # fmt: skip
+        if len(vs) > 1:
+            lines += ["", "Streaming statistics against plain unscale_and_clip_ (ours + streaming / "
+                      "ours):", *_columns(vs)]  # fmt: skip
     lines += _launch_lines(result, markdown=False)
     if result.get("scaling"):
         lines += ["", *_scaling_lines(result["scaling"])]
@@ -261,38 +379,43 @@ def _mmm(s: dict[str, Any], unit: float, fmt: str) -> str:
 
 
 def _scaling_lines(sc: dict[str, Any]) -> list[str]:
-    lines = [
+    lines = _wrap(
         f"scaling: unscale + clip vs FSDP2 parameters ({sc['param_numel']} elements each), 1-D mesh "
         f"of {sc['mesh_shape'][0]} ranks; cold = first call on a new layout "
-        f"({sc['cold_repeats']}+ samples, min/median/max), warm = same layout again "
-        f"({sc['warm_repeats']} samples, ABBA)",
-        f"{'params':>7}  {'torch cold s':<22}{'ours cold s':<22}{'cold ratio':>18}  "
-        f"{'torch warm ms':>14}{'ours warm ms':>14}  {'warm ratio [95% CI]':<22}verdict",
-    ]
+        f"({sc['cold_repeats']}+ samples, min/median/max s; cold ratio derived from the "
+        f"medians), warm = same layout again ({sc['warm_repeats']} samples, ABBA, ms)"
+    )
+    table = [("params", "torch cold s", "ours cold s", "cold ratio", "torch warm",
+              "ours warm", "warm ratio [95% CI]", "verdict")]  # fmt: skip
+    skipped = []
     for p in sc["points"]:
         if "skipped" in p:
-            lines.append(f"{p['n_params']:>7}  skipped: {p['skipped']}")
+            skipped.append(f"{p['n_params']:>7}  skipped: {p['skipped']}")
             continue
         t, o = p["arms"]["torch"], p["arms"]["ours"]
-        lines.append(
-            f"{p['n_params']:>7}  {_mmm(t['cold'], 1, '.3f'):<22}{_mmm(o['cold'], 1, '.3f'):<22}"
-            f"{_num(p['cold_ratio_derived'], '.3f') + ' (derived)':>18}  "
-            f"{_num(t['warm']['median'] * 1e3, '.2f'):>14}{_num(o['warm']['median'] * 1e3, '.2f'):>14}  "
-            f"{_ci(p['warm_ratio']):<22}{p['warm_ratio']['verdict']}"
-        )
-    return lines
+        table.append((
+            str(p["n_params"]), _mmm(t["cold"], 1, ".3f"), _mmm(o["cold"], 1, ".3f"),
+            _num(p["cold_ratio_derived"], ".3f"), _num(t["warm"]["median"] * 1e3, ".2f"),
+            _num(o["warm"]["median"] * 1e3, ".2f"), _ci(p["warm_ratio"]),
+            _short_verdict(p["warm_ratio"]),
+        ))  # fmt: skip
+    if len(table) > 1:
+        lines += _columns(table, right=(0, 3, 4, 5))
+    return lines + [ln for s in skipped for ln in _wrap(s, indent=" " * 9)]
 
 
 def format_markdown(result: dict[str, Any]) -> str:
     """The README's tables (main, A/A, scaling) from one run's JSON."""
     env, cfg = result["environment"], result["config"]
     out = [
-        f"Run of {result.get('started', '?')}: {cfg['n_params'] / 1e6:.1f}M parameters, world size "
+        f"Run of {result.get('started', '?')}: {params_text(cfg['n_params'])} parameters, world size "
         f"{cfg['world_size']} ({env['collective_library']}), {env['machine']} with {env['cpu_count']} "
         f"CPUs (shared; load average {env.get('load_average_start')} at the start), torch "
         f"{env['torch']}, {env['torch_num_threads']} thread(s) per rank.",
         "",
     ]
+    if is_smoke(result):
+        out += [f"{SMOKE_RUN} (verdicts need {MIN_VERDICT_SAMPLES} rounds).", ""]
     if result.get("rows"):
         out += [
             "| mesh | optimizer | arm | step ms | step ratio [95 % CI] | post ms | post ratio [95 % CI] "

@@ -30,6 +30,7 @@ import torch
 from shardscale.cli.bench._arms import make_scaler
 from shardscale.cli.bench._bytes import local_tensor
 from shardscale.cli.bench._config import BenchConfig
+from shardscale.cli.bench._progress import ProgressFile
 from shardscale.cli.bench._stats import ratio_interval, summary
 from shardscale.cli.bench._workload import TinyParams
 
@@ -115,8 +116,11 @@ def _point(cfg: BenchConfig, count: int, mesh: Any) -> dict[str, Any]:
     return out
 
 
-def run_scaling(cfg: BenchConfig) -> dict[str, Any]:
-    """Every scaling point that fits the budget, on a 1-D mesh over all ranks."""
+def run_scaling(cfg: BenchConfig, *, progress: ProgressFile | None = None) -> dict[str, Any]:
+    """Every scaling point that fits the budget, on a 1-D mesh over all ranks.
+
+    ``progress`` hears of each point before it starts (never inside a timed call).
+    """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -125,7 +129,11 @@ def run_scaling(cfg: BenchConfig) -> dict[str, Any]:
     started = time.perf_counter()
     points: list[dict[str, Any]] = []
     last: tuple[int, float] | None = None
-    for count in sorted(cfg.scaling_points):
+    counts = sorted(cfg.scaling_points)
+    for k, count in enumerate(counts):
+        if progress is not None:
+            progress.event("scaling", label=f"{count} parameters", done=k, total=len(counts),
+                           budget_s=cfg.scaling_budget_s)  # fmt: skip
         if last is not None:
             n_last, took_last = last
             # Every rank must take the same decision: decide on the slowest rank's clock.
@@ -144,6 +152,9 @@ def run_scaling(cfg: BenchConfig) -> dict[str, Any]:
         t0 = time.perf_counter()
         points.append(_point(cfg, count, mesh))
         last = (count, time.perf_counter() - t0)
+    if progress is not None:
+        progress.event("scaling", label="done", done=len(counts), total=len(counts),
+                       budget_s=cfg.scaling_budget_s)  # fmt: skip
     return {
         "mesh_shape": [world],
         "param_numel": cfg.scaling_param_numel,

@@ -7,7 +7,18 @@ replacement (a paired bootstrap: a slow moment of the machine stays in both
 arms of its round), computes median(arm) / median(reference) for each
 resample, and takes the 2.5 and 97.5 percentiles. The generator has a fixed
 seed, so the same samples always give the same interval. A ratio is called
-faster or slower only when its interval excludes 1.
+faster or slower only when its interval excludes 1 *and* it rests on at
+least :data:`MIN_VERDICT_SAMPLES` (10) paired samples (rounds).
+
+[Note: too few rounds for a verdict]
+With n rounds the resampled median takes few distinct values (n = 4: the
+mean of two of four samples), so the percentile interval is far narrower
+than its nominal 95 %: a smoke run of 4 rounds once called torch against
+itself (the A/A row) "faster", 0.84 [0.72, 0.99]. Below 10 samples the
+interval is still computed and shown, but the verdict is
+:data:`TOO_FEW` and no faster/slower word is printed. Every default run
+has enough (the main table 32 rounds, the scaling table 10 warm repeats, the
+host table 24 rounds); every ``--quick`` run has fewer, and says so.
 """
 
 from __future__ import annotations
@@ -19,9 +30,25 @@ from typing import Any
 
 import torch
 
-__all__ = ["RatioInterval", "median", "ratio_interval", "summary", "verdict"]
+__all__ = [
+    "MIN_VERDICT_SAMPLES",
+    "NO_DIFFERENCE",
+    "SMOKE_RUN",
+    "TOO_FEW",
+    "RatioInterval",
+    "median",
+    "ratio_interval",
+    "summary",
+    "verdict",
+]
 
 NO_DIFFERENCE = "no difference measured"
+#: The fewest paired samples a verdict rests on (see [Note: too few rounds for a verdict]).
+MIN_VERDICT_SAMPLES = 10
+#: The verdict of an interval over fewer samples.
+TOO_FEW = "too few rounds for a verdict"
+#: What a run with such intervals says once, instead of verdicts.
+SMOKE_RUN = "smoke run: too few rounds for verdicts"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,19 +61,24 @@ class RatioInterval:
     level: float
     resamples: int
     paired: bool
+    #: Samples the interval rests on (rounds when paired; the smaller side when not).
+    samples: int = MIN_VERDICT_SAMPLES
 
     @property
     def verdict(self) -> str:
-        """``faster`` / ``slower`` where the interval excludes 1, else ``no difference measured``."""
-        return verdict(self.low, self.high)
+        """``faster`` / ``slower`` where the interval excludes 1, else ``no difference measured``;
+        :data:`TOO_FEW` below :data:`MIN_VERDICT_SAMPLES` samples."""
+        return verdict(self.low, self.high, samples=self.samples)
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form, with the verdict."""
         return {**asdict(self), "verdict": self.verdict}
 
 
-def verdict(low: float, high: float) -> str:
-    """The claim an interval [low, high] of a time ratio (ours / torch) supports."""
+def verdict(low: float, high: float, *, samples: int = MIN_VERDICT_SAMPLES) -> str:
+    """The claim an interval [low, high] of a time ratio (ours / torch) over ``samples`` supports."""
+    if samples < MIN_VERDICT_SAMPLES:
+        return TOO_FEW
     if high < 1.0:
         return "faster"
     if low > 1.0:
@@ -97,4 +129,5 @@ def ratio_interval(
     tail = (1.0 - level) / 2
     low, high = ratios.quantile(torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
     point = float(a.quantile(0.5) / b.quantile(0.5))
-    return RatioInterval(point, low, high, level, resamples, paired)
+    n = a.numel() if paired else min(a.numel(), b.numel())
+    return RatioInterval(point, low, high, level, resamples, paired, n)

@@ -1,4 +1,4 @@
-"""The scale table: the simulated step (``_scale_sim``) and the modelled all-reduce (``_nccl_model``).
+"""The scale table: the simulated step (``scale_sim``) and the modelled all-reduce (``nccl_model``).
 
 One row per world size: the reduced vector's bytes, the host time of one
 step (collect, read, build the vector, reduce, decide) with its 95 %
@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from shardscale.cli.bench._nccl_model import Fabric, allreduce_us
-from shardscale.cli.bench._scale_sim import SimConfig, SimResult, median_interval, simulate
+from nccl_model import Fabric, allreduce_us
+from scale_sim import SimConfig, SimResult, median_interval, simulate
 
 __all__ = ["DEFAULT_WORLDS", "ScaleRow", "format_scale_markdown", "run_scale_table", "scale_row"]
 
@@ -83,7 +82,7 @@ def run_scale_table(
     fabric: Fabric | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Every row, with the machine it ran on (the JSON ``shardscale bench --scale`` writes)."""
+    """Every row, with the machine it ran on (the JSON ``bench_scale.py`` writes)."""
     torch.set_num_threads(1)  # as one rank of the benchmark: one thread
     fabric = fabric or Fabric()
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

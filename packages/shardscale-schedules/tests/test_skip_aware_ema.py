@@ -18,16 +18,16 @@ from torch.optim.swa_utils import (
     get_ema_multi_avg_fn,
 )
 
-import shardscale.core._ema as ema_module
-from shardscale.core import (
+import shardscale.schedules._ema as ema_module
+from shardscale.core import ShardedGradScaler
+from shardscale.core.testing import HostReadRecorder
+from shardscale.schedules import (
     CosineSchedule,
     DeviceLRSchedule,
-    ShardedGradScaler,
     SkipAwareScheduler,
     WarmupSchedule,
     update_averaged_model,
 )
-from shardscale.core.testing import HostReadRecorder
 
 SKIPS = frozenset({0, 2, 3, 7, 11})
 N = 12

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from shardscale.core._skip_signal import SkipFlagReader, SkipSource
+from shardscale.schedules._skip_signal import SkipFlagReader, SkipSource
 
 __all__ = ["DeferredStep", "SkipAwareScheduler"]
 

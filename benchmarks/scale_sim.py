@@ -1,5 +1,7 @@
 """The real step engine at 10^3 to 10^5 ranks, in one process, on torch's fake process group.
 
+Part of the scale table (``nox -s bench_scale``, ``bench_scale.py``); not in any wheel.
+
 [Note: simulating W ranks in one process]
 torch's fake process group (``backend="fake"`` with a ``FakeStore``) lets one
 process be rank r of a group of W: ``DeviceMesh`` and ``DTensor`` work as on
@@ -34,8 +36,10 @@ the plain tensors' once.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -44,7 +48,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from shardscale.cli.bench._stats import median
 from shardscale.core import MiddlewareBase
 
 if TYPE_CHECKING:
@@ -218,9 +221,20 @@ def reference_norm(cfg: SimConfig) -> float:
 # -- one rank of the fake group ------------------------------------------------------------------
 
 
+#: Each simulated session names its mesh dimension afresh (``dp0``, ``dp1``, ...); see fake_rank.
+_SESSIONS = itertools.count()
+
+
 @contextmanager
 def fake_rank(rank: int, world: int) -> Iterator[Any]:
-    """This process as rank ``rank`` of a fake group of ``world``, with a 1-D mesh over it."""
+    """This process as rank ``rank`` of a fake group of ``world``, with a 1-D mesh over it.
+
+    A real job builds its mesh once; here every rank's session builds one of the same shape.
+    Meshes of the same ranks and names compare equal, so a cache keyed by mesh anywhere in the
+    stack would compare the new mesh with the old ones, an O(world) comparison per lookup,
+    inside the timed steps. Each session's dimension gets a name of its own (no adapter gives
+    the data-parallel dimension's name a meaning), so its mesh equals no earlier one.
+    """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -232,20 +246,9 @@ def fake_rank(rank: int, world: int) -> Iterator[Any]:
         )
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        yield init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        yield init_device_mesh("cpu", (world,), mesh_dim_names=(f"dp{next(_SESSIONS)}",))
     finally:
         dist.destroy_process_group()
-        _forget_meshes()
-
-
-def _forget_meshes() -> None:
-    # A real job builds its mesh once; here every rank's session builds one of the same shape,
-    # and caches keyed by mesh would compare the new mesh with the old ones (O(W) each).
-    try:
-        from shardscale.fsdp._mesh_replicas import _cached_status
-    except ImportError:  # shardscale-fsdp not installed: no DTensor adapter cache to clear
-        return
-    _cached_status.cache_clear()
 
 
 def _params(rank: int, cfg: SimConfig, mesh: Any) -> list[torch.nn.Parameter]:
@@ -364,5 +367,6 @@ def median_interval(
     """(median, low, high): the 95 % bootstrap interval of the median (seeded: reproducible)."""
     rng = random.Random(seed)
     n = len(samples)
-    boot = sorted(median([samples[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
-    return median(samples), boot[int(0.025 * resamples)], boot[int(0.975 * resamples) - 1]
+    med = statistics.median
+    boot = sorted(med([samples[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
+    return med(samples), boot[int(0.025 * resamples)], boot[int(0.975 * resamples) - 1]

@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch.optim import lr_scheduler as tls
 
-from shardscale.core import (
+from shardscale.core import ShardedGradScaler
+from shardscale.schedules import (
     ConstantSchedule,
     CosineSchedule,
     DeferredStep,
@@ -26,7 +27,6 @@ from shardscale.core import (
     ExponentialSchedule,
     LinearSchedule,
     LRSchedule,
-    ShardedGradScaler,
     SkipAwareScheduler,
     StepSchedule,
     WarmupSchedule,

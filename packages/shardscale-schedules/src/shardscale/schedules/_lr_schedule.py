@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from shardscale.core._skip_signal import SkipFlagReader, SkipSource
+from shardscale.schedules._skip_signal import SkipFlagReader, SkipSource
 
 __all__ = [
     "ConstantSchedule",

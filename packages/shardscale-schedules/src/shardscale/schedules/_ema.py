@@ -29,7 +29,7 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_swa_avg_fn, get_swa_multi_avg_fn
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
-from shardscale.core._skip_signal import SkipFlagReader, SkipSource
+from shardscale.schedules._skip_signal import SkipFlagReader, SkipSource
 
 __all__ = ["update_averaged_model"]
 
