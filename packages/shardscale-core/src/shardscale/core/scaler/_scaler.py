@@ -1368,6 +1368,8 @@ class ShardedGradScaler:
             state["spike_window"], state["spike_accepted"] = self._spike_window.state()
         if self._streak.limit is not None:
             state["_skip_streak"], state["_skip_streak_reasons"] = self._streak.state()
+            # The update count, so that a streak error after a resume names real step numbers.
+            state["_steps"] = self._step_count
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1405,6 +1407,8 @@ class ShardedGradScaler:
             self._spike_window.load(*spike_state)
         if streak is not None:
             self._streak.load(*streak)
+        if "_steps" in state_dict:
+            self._step_count = int(state_dict["_steps"])
 
     def _validate_verdict_state(
         self, state_dict: dict[str, Any], scale: float
@@ -1442,6 +1446,12 @@ class ShardedGradScaler:
                     f"got {count!r}/{mask!r}; save the state with scaler.state_dict()"
                 )
             streak = (count, mask)
+        steps = state_dict.get("_steps", 0)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(
+                f"scaler state dict key '_steps' must be an int >= 0 (the number of update() "
+                f"calls), got {steps!r}; save the state with scaler.state_dict()"
+            )
         return spike_state, streak
 
     def __getstate__(self) -> dict[str, Any]:
