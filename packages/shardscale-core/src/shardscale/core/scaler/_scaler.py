@@ -69,8 +69,8 @@ from shardscale.core.step import (
     poll_errors,
     run_step,
 )
+from shardscale.core.step._buckets import optimizer_params
 from shardscale.core.step._clip import clip_parameters_
-from shardscale.core.step._collect import optimizer_params
 from shardscale.core.step._contract import (
     check_distinct_dims,
     check_kernels,
