@@ -80,7 +80,7 @@ import torch
 from torch.optim import optimizer as _torch_optimizer
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from shardscale.core.step._collect import dtensor_type
+from shardscale.core.step._buckets import dtensor_type
 
 __all__ = [
     "FIRST_MOMENTUM_STEP",
