@@ -158,7 +158,7 @@ def _write_model(model_dir: str) -> None:
     dist.barrier()
 
 
-def _engine(model_dir: str, dtype: str = "fp16") -> Any:
+def _engine(model_dir: str, dtype: str = "fp16", external_lib: str | None = None) -> Any:
     _cpu_platform()
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -167,6 +167,7 @@ def _engine(model_dir: str, dtype: str = "fp16") -> Any:
     model = HFModelConfig(
         path=model_dir, load_tokenizer=False, use_remove_padding=False,
         override_config={"attn_implementation": "sdpa"},
+        external_lib=external_lib,
     )  # fmt: skip
     engine = FSDPEngineWithLMHead(
         model,
@@ -379,6 +380,32 @@ def _case(kind: str, workdir: str) -> dict[str, Any]:
     return out
 
 
+def _auto_bf16_case(workdir: str) -> dict[str, Any]:
+    """A bf16 engine whose model config names ``external_lib=shardscale.verl.auto``."""
+    import sys
+
+    from shardscale.verl import is_using_shardscale
+
+    model_dir = os.path.join(workdir, "model")
+    _write_model(model_dir)
+    _cpu_platform()
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    original = FSDPEngine.initialize
+    sys.modules.pop("shardscale.verl.auto", None)  # verl's import below is the one that installs
+    try:
+        engine = _engine(model_dir, dtype="bf16", external_lib="shardscale.verl.auto")
+        out: dict[str, Any] = {
+            "using": is_using_shardscale(engine),
+            "loss_scaling": engine.scaler.loss_scaling,
+        }
+        out["rows"] = _train(engine, range(4))
+        out["params"] = _full_params(engine)
+    finally:
+        FSDPEngine.initialize = original  # this worker runs other cases after this one
+    return out
+
+
 def _save_after_a_step(workdir: str) -> str | None:
     """verl's own save_checkpoint (with its module move) after one shardscale step."""
     from shardscale.verl import use_shardscale
@@ -492,6 +519,24 @@ def test_torch_scaler_in_the_same_engine_shows_what_use_shardscale_fixes(
     # The advanced schedule moved the weights away from the run that held it.
     start = ref["initial"]
     assert _moved(results[0]["params"], start, ref["params"][-1]) > 4 * PARITY_RTOL
+
+
+def test_config_key_gives_a_bf16_engine_the_guard(
+    pool2: Pool, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``model.external_lib=shardscale.verl.auto``: the engine verl builds gets the line."""
+    results = pool2.run(_auto_bf16_case, str(tmp_path_factory.mktemp("auto")))
+    for res in results:
+        assert res["using"] and res["loss_scaling"] is False  # bf16: no scaling, the guard only
+        rows = res["rows"]
+        assert [r["metrics"]["step_skipped"] for r in rows] == [0.0, 0.0, 1.0, 0.0]
+        assert [r["metrics"]["loss_scale"] for r in rows] == [1.0] * 4
+        assert [r["sched"] for r in rows] == [1, 2, 2, 3]  # held on the skipped step
+        assert not math.isfinite(rows[2]["metrics"]["grad_norm"])
+        assert all(math.isfinite(r["metrics"]["grad_norm"]) for i, r in enumerate(rows) if i != 2)
+        assert all(bool(torch.isfinite(p).all()) for p in res["params"])
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.xfail(

@@ -263,8 +263,8 @@ def use_shardscale(
         scaler: a ready :class:`~shardscale.core.ShardedGradScaler`; else one is
             built from ``scaler_options``.
         **scaler_options: :class:`~shardscale.core.ShardedGradScaler`'s keyword
-            arguments. Defaults: verl's device, verl's ``growth_interval=400``,
-            ``loss_scaling`` True in fp16, else False.
+            arguments. Defaults: verl's device, ``loss_scaling`` True in fp16
+            (then verl's ``growth_interval=400``), else False.
 
     Returns:
         The engine's scaler (also ``engine.scaler``).
@@ -320,9 +320,10 @@ def use_shardscale(
         )
     fp16 = verl_scaler is not None  # verl creates its scaler exactly when param_dtype is fp16
     if scaler is None:
-        options: dict[str, Any] = {"growth_interval": 400}  # verl's own choice
-        options.update(scaler_options)
+        options: dict[str, Any] = dict(scaler_options)
         options.setdefault("loss_scaling", fp16)
+        if options["loss_scaling"]:
+            options.setdefault("growth_interval", 400)  # verl's own choice for its scaler
         options.setdefault("device", _device_name())
         scaler = ShardedGradScaler(**options)
     if not scaler.is_enabled():
