@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 import os
+import subprocess
+import sys
 from functools import partial
 from typing import Any
 
@@ -158,7 +161,9 @@ def _write_model(model_dir: str) -> None:
     dist.barrier()
 
 
-def _engine(model_dir: str, dtype: str = "fp16", external_lib: str | None = None) -> Any:
+def _engine(
+    model_dir: str, dtype: str = "fp16", external_lib: str | None = None, *, initialize: bool = True
+) -> Any:
     _cpu_platform()
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -187,7 +192,8 @@ def _engine(model_dir: str, dtype: str = "fp16", external_lib: str | None = None
         ),
         CheckpointConfig(),
     )
-    engine.initialize()
+    if initialize:
+        engine.initialize()
     return engine
 
 
@@ -382,8 +388,6 @@ def _case(kind: str, workdir: str) -> dict[str, Any]:
 
 def _auto_bf16_case(workdir: str) -> dict[str, Any]:
     """A bf16 engine whose model config names ``external_lib=shardscale.verl.auto``."""
-    import sys
-
     from shardscale.verl import is_using_shardscale
 
     model_dir = os.path.join(workdir, "model")
@@ -404,6 +408,67 @@ def _auto_bf16_case(workdir: str) -> dict[str, Any]:
     finally:
         FSDPEngine.initialize = original  # this worker runs other cases after this one
     return out
+
+
+def _bad_input_case(workdir: str) -> dict[str, Any]:
+    """Every refusal of use_shardscale, and that a refusal leaves the engine as verl built it."""
+    import verl
+
+    from shardscale.core import ShardedGradScaler
+    from shardscale.verl import (
+        TESTED_VERL,
+        contract_problems,
+        engine_state,
+        is_using_shardscale,
+        use_shardscale,
+    )
+
+    model_dir = os.path.join(workdir, "model")
+    _write_model(model_dir)
+    engine = _engine(model_dir)
+    verl_scaler = engine.scaler
+    errors: dict[str, str | None] = {}
+
+    def expect(name: str, exc: type[Exception], call: Any) -> None:
+        try:
+            call()
+        except exc as e:
+            errors[name] = str(e)
+        else:
+            errors[name] = None
+
+    expect("not_an_engine", TypeError, lambda: use_shardscale(object()))
+    expect("torch_scaler", TypeError, lambda: use_shardscale(engine, scaler=verl_scaler))
+    both = ShardedGradScaler("cpu")
+    expect("both", ValueError, lambda: use_shardscale(engine, scaler=both, init_scale=2.0))
+    expect("disabled", ValueError, lambda: use_shardscale(engine, enabled=False))
+    untouched = (
+        engine.scaler is verl_scaler
+        and not is_using_shardscale(engine)
+        and not set(engine.__dict__) & {"optimizer_step", "train_batch", "lr_scheduler_step"}
+    )
+    expect(
+        "uninitialized", RuntimeError, lambda: use_shardscale(_engine(model_dir, initialize=False))
+    )
+    scaler = use_shardscale(engine, init_scale=8.0)
+    again = use_shardscale(engine) is scaler
+    expect("again_with_options", RuntimeError, lambda: use_shardscale(engine, init_scale=2.0))
+    state = engine_state(engine)
+    before = state.state_dict()
+    expect(
+        "bad_counter", ValueError, lambda: state.load_state_dict({**before, "skipped_steps": -1})
+    )
+    bad_scaler = {**before, "scaler": {**before["scaler"], "scale": -1.0}}
+    expect("bad_scaler", ValueError, lambda: state.load_state_dict(bad_scaler))
+    return {
+        "errors": errors,
+        "untouched": untouched,
+        "again": again,
+        "state_unchanged": state.state_dict() == before,
+        "scale": scaler.get_scale(),
+        "contract": contract_problems(engine),
+        "versions": (TESTED_VERL, verl.__version__),
+    }
 
 
 def _save_after_a_step(workdir: str) -> str | None:
@@ -537,6 +602,39 @@ def test_config_key_gives_a_bf16_engine_the_guard(
         assert all(bool(torch.isfinite(p).all()) for p in res["params"])
     for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
         assert torch.equal(a, b)
+
+
+def test_bad_input_is_refused_and_changes_nothing(
+    pool2: Pool, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    for res in pool2.run(_bad_input_case, str(tmp_path_factory.mktemp("bad"))):
+        errors = res["errors"]
+        assert "verl's FSDP engine" in errors["not_an_engine"]
+        assert "shardscale.core.ShardedGradScaler" in errors["torch_scaler"]
+        assert "not both" in errors["both"]
+        assert "enabled=False" in errors["disabled"]
+        assert "engine.initialize()" in errors["uninitialized"]
+        assert "already applied" in errors["again_with_options"]
+        assert "skipped_steps" in errors["bad_counter"]
+        assert errors["bad_scaler"] is not None and "scale" in errors["bad_scaler"]
+        assert res["untouched"] and res["again"] and res["state_unchanged"]
+        assert res["scale"] == 8.0
+        # The installed verl is the tested one, and has everything use_shardscale relies on.
+        assert res["contract"] == []
+        assert res["versions"][0] == res["versions"][1]
+
+
+def test_listed_by_the_registry_without_importing_verl() -> None:
+    code = (
+        "import json, sys\n"
+        "from shardscale.core import get_registry\n"
+        "info = [p for p in get_registry().plugins() if p.name == 'verl']\n"
+        "print(json.dumps({'info': [[i.distribution, list(i.hooks)] for i in info],"
+        " 'imported': 'verl' in sys.modules}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"info": [["shardscale-verl", []]], "imported": False}
 
 
 @pytest.mark.xfail(

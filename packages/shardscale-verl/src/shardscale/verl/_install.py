@@ -298,12 +298,12 @@ def use_shardscale(
                 "engine.scaler (pass options the first time only)."
             )
         return engine_state(engine).scaler
-    check_verl(engine)
     if not isinstance(getattr(engine, "optimizer", None), torch.optim.Optimizer):
         raise RuntimeError(
             "use_shardscale(engine) needs an initialized engine with an optimizer: call it "
             "right after engine.initialize() (a forward-only engine has nothing to scale)."
         )
+    check_verl(engine)
     if getattr(engine, "_qat_enabled", False):
         raise ValueError(
             "use_shardscale does not support verl's QAT (its optimizer step also resets "
