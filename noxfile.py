@@ -69,7 +69,7 @@ VERL = "verl==0.9.1"
 # What the verl session installs from this tree besides shardscale-verl's own dependencies: the
 # CLI, for ``shardscale plugins``/``doctor`` and the packaging checks.
 VERL_TREE = ["shardscale-core", "shardscale-collectives", "shardscale-clip", "shardscale-fsdp",
-             "shardscale", VERL_DIST]  # fmt: skip
+             "shardscale-telemetry", "shardscale", VERL_DIST]  # fmt: skip
 # Extras the tests session installs with their distribution (the observers' own libraries).
 TEST_EXTRAS = {"shardscale-telemetry": "tensorboard,wandb"}
 # numpy: torch's own test-side tools (CommDebugMode, all_gather_object, DCP) import it.
@@ -432,7 +432,8 @@ def typecheck(session: nox.Session) -> None:
     _install_torch(session, DEFAULT_TORCH)
     session.install("mypy>=1.10", "pluggy>=1.3", "rich", "matplotlib")
     session.install(f"torch=={DEFAULT_TORCH}", *FRAMEWORKS)  # the integrations' base classes
-    session.run("mypy", *(str(ROOT / "packages" / d / "src") for d in DISTS))
+    # shardscale-verl's sources too: verl itself is not installed here (mypy skips its imports).
+    session.run("mypy", *(str(ROOT / "packages" / d / "src") for d in [*DISTS, VERL_DIST]))
 
 
 @nox.session(python=PYTHON)
@@ -476,6 +477,9 @@ def verl(session: nox.Session) -> None:
     )
     session.run("python", "-c", "import torch, verl; print('torch', torch.__version__, "
                 "'verl', verl.__version__)")  # fmt: skip
+    listed = session.run("shardscale", "plugins", silent=True)
+    if "shardscale-verl" not in str(listed):
+        session.error(f"`shardscale plugins` does not list shardscale-verl:\n{listed}")
     junit = Path(session.create_tmp()) / "verl-junit.xml"
     tests = [str(ROOT / "packages" / VERL_DIST / "tests"),
              str(ROOT / "packages" / "shardscale" / "tests" / "test_packaging.py")]  # fmt: skip
