@@ -20,17 +20,18 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per command."""
     from shardscale.cli._bench_cmd import add_bench_parser
+    from shardscale.cli._cmdline import CommandParser
     from shardscale.cli._demo import add_demo_parser
     from shardscale.cli._doctor import add_doctor_parser
     from shardscale.cli._plugins_cmd import add_plugins_parser
 
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="shardscale",
         description="Mixed-precision training helpers for sharded PyTorch models. Start with "
         "'shardscale demo'.",
     )
     parser.add_argument("--version", action="version", version=f"shardscale {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     add_demo_parser(sub)
     add_bench_parser(sub)
     add_plugins_parser(sub)
@@ -40,8 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``shardscale`` console script and ``python -m shardscale.cli``."""
+    from shardscale.cli._cmdline import parse_command_line
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     if args.command is None:
         parser.print_help()
         return 2
