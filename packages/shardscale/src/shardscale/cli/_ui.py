@@ -1,6 +1,6 @@
 """Terminal output: a live progress bar and a summary table, with rich when it is installed.
 
-rich and matplotlib are the optional ``ui`` extra (``pip install 'shardscale[ui]'``);
+rich and matplotlib are the optional ``ui`` extra (``pip install 'rich>=13' 'matplotlib>=3.7'``);
 without them everything still works, in plain text and without the plot.
 """
 
@@ -22,7 +22,8 @@ __all__ = [
     "print_table",
 ]
 
-UI_EXTRA_HINT = "pip install 'shardscale[ui]'"
+#: How to get the ui extra's libraries, from a clone or an installed shardscale alike.
+UI_EXTRA_HINT = "pip install 'rich>=13' 'matplotlib>=3.7'"
 
 
 def have_rich() -> bool:
