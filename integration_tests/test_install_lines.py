@@ -86,7 +86,7 @@ def pip_install_args(command: str) -> list[str]:
 def test_parser_reads_what_a_person_would_copy() -> None:
     text = "x\n```bash\n# a comment\n$ python3 -m venv .venv && .venv/bin/pip install a './b[ui]' \\\n  c && run\n```\n"
     command = first_install_command(text)
-    assert command == "python3 -m venv .venv && .venv/bin/pip install a './b[ui]'   c && run"
+    assert command == "python3 -m venv .venv && .venv/bin/pip install a './b[ui]'  c && run"
     assert pip_install_args(command) == ["a", "./b[ui]", "c"]
     with pytest.raises(AssertionError, match="no 'pip install'"):
         first_install_command("```python\nos.system('pip install x')\n```\n")

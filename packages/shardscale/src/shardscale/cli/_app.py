@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         "'shardscale demo'.",
     )
     parser.add_argument("--version", action="version", version=f"shardscale {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
+    sub = parser.add_subparsers(
+        title="commands", dest="command", metavar="COMMAND", parser_class=CommandParser
+    )
     add_demo_parser(sub)
     add_bench_parser(sub)
     add_plugins_parser(sub)

@@ -96,7 +96,9 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     the device (see [Note: the demo's size] in ``_trainer``).
     """
     d = TrainConfig()
-    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps ({_sized('steps')})")
+    p.add_argument(
+        "--steps", type=int, default=None, metavar="N", help=f"optimizer steps ({_sized('steps')})"
+    )
     p.add_argument(
         "--precision",
         choices=["fp16", "bf16"],
@@ -136,35 +138,59 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         "--batch-size",
         type=int,
         default=None,
+        metavar="N",
         help=f"sequences per rank per step ({_sized('batch_size')})",
     )
     p.add_argument(
-        "--context", type=int, default=None, help=f"characters per sequence ({_sized('context')})"
+        "--context",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"characters per sequence ({_sized('context')})",
     )
-    p.add_argument("--d-model", type=int, default=None, help=f"model width ({_sized('d_model')})")
     p.add_argument(
-        "--layers", type=int, default=None, help=f"transformer blocks ({_sized('n_layers')})"
+        "--d-model", type=int, default=None, metavar="N", help=f"model width ({_sized('d_model')})"
     )
-    p.add_argument("--heads", type=int, default=None, help=f"attention heads ({_sized('n_heads')})")
     p.add_argument(
-        "--lr", type=float, default=d.lr, help=f"peak learning rate, AdamW (default {d.lr:g})"
+        "--layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"transformer blocks ({_sized('n_layers')})",
+    )
+    p.add_argument(
+        "--heads",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"attention heads ({_sized('n_heads')})",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=d.lr,
+        metavar="X",
+        help=f"peak learning rate, AdamW (default {d.lr:g})",
     )
     p.add_argument(
         "--max-norm",
         type=float,
         default=d.max_norm,
+        metavar="X",
         help=f"gradient clipping threshold (default {d.max_norm:g}; inf: never clip)",
     )
     p.add_argument(
         "--growth-interval",
         type=int,
         default=d.growth_interval,
+        metavar="N",
         help=f"clean steps before the loss scale doubles (default {d.growth_interval})",
     )
     p.add_argument(
         "--init-scale",
         type=float,
         default=d.init_scale,
+        metavar="X",
         help=f"initial loss scale (default {scale_text(d.init_scale)}: high on purpose, the first "
         "fp16 steps overflow and back it off)",
     )
@@ -200,6 +226,7 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         "--sample-chars",
         type=int,
         default=d.sample_chars,
+        metavar="N",
         help=f"characters to generate after training (default {d.sample_chars}; 0: none)",
     )
 
