@@ -89,6 +89,7 @@ from shardscale.core.step._contract import (
     kernels_name,
     nonfinite_norm_error,
 )
+from shardscale.core.step._policy import PolicyState, SkipPolicy
 from shardscale.core.step._vector import VectorLayout
 from shardscale.core.step._verdict import SkipReason, SpikeSkip
 
@@ -100,6 +101,8 @@ __all__ = [
     # why a step is skipped: the verdict's policies and reasons (docs/skipped-steps.md)
     "SkipReason",
     "SpikeSkip",
+    "SkipPolicy",
+    "PolicyState",
     "SkipStreakError",
     # several optimizers, one update (front ends: see [Note: one update per iteration])
     "Iteration",

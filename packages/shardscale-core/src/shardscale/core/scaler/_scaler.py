@@ -28,7 +28,7 @@ import math
 import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
@@ -81,6 +81,7 @@ from shardscale.core.step._contract import (
     distinct_param_ids,
     kernels_name,
 )
+from shardscale.core.step._policy import BoundPolicies, SkipPolicy, check_policies
 from shardscale.core.step._verdict import (
     SkipReason,
     SkipStreak,
@@ -269,6 +270,10 @@ class ShardedGradScaler:
             scaled between ``unscale_and_clip_`` and ``step`` (as for a fused
             optimizer); the kernel writes them back unscaled, except on a
             skipped step, which leaves them as they were.
+        policies: third-party skip policies (:class:`~shardscale.core.SkipPolicy`
+            objects, e.g. from a plugin distribution): each adds slots to the
+            step's one all-reduce and a flag to the verdict, with its own reason
+            code and precedence (docs/skipped-steps.md, "Writing a skip policy").
     """
 
     _device: str
@@ -334,6 +339,7 @@ class ShardedGradScaler:
         max_consecutive_skips: int | None = None,
         check_loss: bool = False,
         fuse_optimizer: bool | None = None,
+        policies: Sequence[SkipPolicy] = (),
     ) -> None:
         if not isinstance(device, str):
             device = torch.device(device).type  # accept torch.device too
@@ -355,6 +361,11 @@ class ShardedGradScaler:
         if not isinstance(check_loss, bool):
             raise TypeError(f"check_loss must be True or False, got {check_loss!r}")
         self._check_loss = check_loss
+        self._policies = check_policies(policies)
+        self._bound: BoundPolicies | None = None
+        # A checkpoint's policy states loaded before the policies were bound (by name).
+        self._policy_pending: dict[str, Any] = {}
+        self._loss_value: torch.Tensor | None = None
         bad_fuse = _bad_fuse_option(fuse_optimizer)
         if bad_fuse is not None:
             raise bad_fuse
@@ -504,6 +515,11 @@ class ShardedGradScaler:
         if self._spike_window is not None:
             self._spike_window.materialize(dev)
         self._streak.materialize(dev)
+        if self._policies and self._bound is None:
+            self._bound = BoundPolicies(self._policies, dev)
+            for policy, state in zip(self._policies, self._bound.states, strict=True):
+                if policy.name in self._policy_pending:
+                    state.load_state_dict(self._policy_pending.pop(policy.name))
 
     # -- scale ---------------------------------------------------------------------------------
 
@@ -526,6 +542,8 @@ class ShardedGradScaler:
             assert self._scale is not None
             if self._check_loss:
                 self.observe_loss(outputs)
+            elif self._policies:
+                self._observe_loss_value(outputs)
             if not self._loss_scaling:
                 return outputs  # the scale is 1: the loss itself, no multiply
             return outputs * self._scale.to(device=outputs.device, non_blocking=True)
@@ -542,6 +560,8 @@ class ShardedGradScaler:
                 assert self._scale is not None
                 if self._check_loss:
                     self.observe_loss(val)
+                elif self._policies:
+                    self._observe_loss_value(val)
                 if not self._loss_scaling:
                     return val
                 if val.device not in cache:
@@ -573,6 +593,17 @@ class ShardedGradScaler:
         self._loss_flag = (
             flag if self._loss_flag is None else self._loss_flag | flag.to(self._loss_flag.device)
         )
+        if self._policies:
+            self._observe_loss_value(loss)
+
+    def _observe_loss_value(self, loss: torch.Tensor) -> None:
+        """Add ``loss`` (summed, float64, no host read) to what the skip policies see."""
+        value = loss.detach().sum(dtype=torch.float64)
+        self._loss_value = (
+            value
+            if self._loss_value is None
+            else self._loss_value + value.to(self._loss_value.device)
+        )
 
     def _verdict(self) -> Verdict:
         reason = SkipReason.OVERFLOW if self._loss_scaling else SkipReason.NONFINITE
@@ -580,7 +611,14 @@ class ShardedGradScaler:
             f"loss_scaling={self._loss_scaling}, spike={self._spike!r}, "
             f"max_consecutive_skips={self._streak.limit}"
         )
-        return Verdict(nonfinite_reason=reason, spike=self._spike_window, declared=declared)
+        if self._bound is not None:
+            declared += f", policies=[{self._bound.fingerprint()}]"
+        return Verdict(
+            nonfinite_reason=reason,
+            spike=self._spike_window,
+            declared=declared,
+            policies=self._bound,
+        )
 
     # -- unscale -------------------------------------------------------------------------------
 
@@ -624,6 +662,7 @@ class ShardedGradScaler:
                 refusal=refusal,
                 verdict=self._verdict(),
                 loss_nonfinite=self._loss_flag,
+                loss=self._loss_value,
                 **options,
             ),
         )
@@ -1049,11 +1088,14 @@ class ShardedGradScaler:
         # The window keeps accepted norms only: the last one this iteration's step tested.
         if self._spike_window is not None and any(r.norm is not None for _, r in self._iteration):
             self._spike_window.accept(reason)
+        if self._bound is not None and self._iteration:
+            for policy_state in self._bound.states:
+                policy_state.after_update(reason)
         poll_errors()  # an accelerator step's error that already arrived surfaces here, no sync
         self._optimizers_known = bool(self._optimizers)
         self._per_optimizer_states = defaultdict(_OptimizerState)
         self._last_iteration, self._iteration = self._iteration, []
-        self._loss_flag = None
+        self._loss_flag = self._loss_value = None
         self._step_count += 1
         if new_scale is None and self._reg().has_step_observers():
             assert self._growth_tracker is not None
@@ -1343,6 +1385,11 @@ class ShardedGradScaler:
             state["spike_window"], state["spike_accepted"] = self._spike_window.state()
         if self._streak.limit is not None:
             state["_skip_streak"], state["_skip_streak_reasons"] = self._streak.state()
+        for at, policy in enumerate(self._policies):
+            if self._bound is not None:
+                state[f"policy.{policy.name}"] = self._bound.states[at].state_dict()
+            elif policy.name in self._policy_pending:
+                state[f"policy.{policy.name}"] = self._policy_pending[policy.name]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1360,6 +1407,15 @@ class ShardedGradScaler:
             max_scale=self._max_scale,
         )
         spike_state, streak = self._validate_verdict_state(state_dict, values.scale)
+        # A policy validates its own state: loaded first, so a bad one changes nothing else.
+        for at, policy in enumerate(self._policies):
+            saved = state_dict.get(f"policy.{policy.name}")
+            if saved is None:
+                continue
+            if self._bound is not None:
+                self._bound.states[at].load_state_dict(saved)
+            else:
+                self._policy_pending[policy.name] = saved
         # Validated: now apply, all at once (every value fits its float32/int32 tensor).
         self._init_scale = values.scale
         self._growth_factor = values.growth_factor
@@ -1434,7 +1490,14 @@ class ShardedGradScaler:
             state["_scale"] = state["_growth_tracker"] = state["_hysteresis_tracker"] = None
         state["_iteration"], state["_last_iteration"] = [], []
         state["_last_skipped"] = state["_last_grad_norm"] = None
-        state["_last_reason"] = state["_loss_flag"] = None
+        state["_last_reason"] = state["_loss_flag"] = state["_loss_value"] = None
+        # Third-party policies' device state travels as their state_dict, bound again on use.
+        if self._bound is not None:
+            state["_policy_pending"] = {
+                p.name: st.state_dict()
+                for p, st in zip(self._policies, self._bound.states, strict=True)
+            }
+            state["_bound"] = None
         # The verdict's device state travels as host values, like the scale.
         if self._spike_window is not None:
             window = SpikeWindow(self._spike_window.policy)
@@ -1459,6 +1522,10 @@ class ShardedGradScaler:
         state.setdefault("_streak", SkipStreak(None))
         state.setdefault("_loss_flag", None)
         state.setdefault("_last_reason", None)
+        state.setdefault("_policies", ())
+        state.setdefault("_bound", None)
+        state.setdefault("_policy_pending", {})
+        state.setdefault("_loss_value", None)
         self.__dict__.update(state)
         # id()s do not survive a copy: take them again from the (copied) declared parameters.
         self._distinct_params = frozenset(id(p) for p in self._distinct_refs)

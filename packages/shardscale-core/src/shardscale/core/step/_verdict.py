@@ -31,12 +31,15 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from shardscale.core._errors import SkipStreakError
 from shardscale.core.step._host_copy import HostCopy
+
+if TYPE_CHECKING:
+    from shardscale.core.step._policy import BoundPolicies
 
 __all__ = [
     "SkipReason",
@@ -111,6 +114,13 @@ class SpikeSkip:
     ``z=None`` to use only the other tests.
     """
 
+    #: Its declarations as a skip policy (see [Note: a skip policy] in ``_policy``): the
+    #: engine keeps its flag's fused place (no slots: it flags from the step's global norm).
+    name: ClassVar[str] = "spike"
+    code: ClassVar[int] = 1  # SkipReason.SPIKE
+    precedence: ClassVar[int] = 10
+    slots: ClassVar[tuple[str, ...]] = ()
+
     max_norm_abs: float | None = None
     z: float | None = 6.0
     ratio: float | None = None
@@ -136,6 +146,10 @@ class SpikeSkip:
             # A std needs two values; a mean one.
             low = 2 if self.z is not None else 1
             _count(self.warmup, "warmup", low=low, fix="; None means max(20, window // 2)")
+
+    def fingerprint(self) -> str:
+        """The options as text, compared across ranks (the step's declarations)."""
+        return repr(self)
 
     @property
     def armed_after(self) -> int:
@@ -327,6 +341,8 @@ class Verdict:
     #: The policies as text, for the step's declarations fingerprint: ranks whose policies
     #: differ would take different verdicts on the same reduced vector, so they all raise.
     declared: str = ""
+    #: The scaler's third-party skip policies, bound to its device (see ``_policy``), or None.
+    policies: BoundPolicies | None = None
 
 
 class SkipStreak:
