@@ -20,7 +20,7 @@ step's one all-reduce is completed by hand:
 * the engine runs at each representative rank and at the template rank, and
   the vector each hands to the all-reduce is captured (:class:`SimBackend`);
 * the reduced vector is their SUM, composed by name through
-  :class:`~shardscale.core.VectorLayout` (per-rank blocks: the template's
+  :class:`~shardscale.core.step.VectorLayout` (per-rank blocks: the template's
   value in every other rank's slot; shared values: W - 3 times the
   template's), exactly what a real SUM over W ranks holding these gradients
   returns;
@@ -166,7 +166,7 @@ class SimBackend(MiddlewareBase):
         self, tensor: torch.Tensor, *, op: ReduceOp, group: ProcessGroup | None
     ) -> Handle:
         """Record ``tensor``, run the fake all-reduce, then write the composed result."""
-        from shardscale.core import CompletedHandle
+        from shardscale.core.plugins import CompletedHandle
 
         self.calls += 1
         if self.reduced is None:
@@ -274,7 +274,8 @@ def _params(rank: int, cfg: SimConfig, mesh: Any) -> list[torch.nn.Parameter]:
 
 
 def _step(params: list[torch.nn.Parameter], backend: SimBackend, cfg: SimConfig) -> Any:
-    from shardscale.core import Apply, StepConfig, StepRequest, get_registry, run_step
+    from shardscale.core import get_registry
+    from shardscale.core.step import Apply, StepConfig, StepRequest, run_step
 
     config = StepConfig(backend=backend, registry=get_registry())  # type: ignore[arg-type]
     # The fused-optimizer path: found_inf, norm, clip coefficient and grad_scale all decided,
@@ -305,7 +306,7 @@ def _capture(rank: int, cfg: SimConfig) -> torch.Tensor:
 def compose(local: dict[int, torch.Tensor], world: int) -> torch.Tensor:
     """The SUM over ``world`` ranks of the local vectors: ``local`` has the representative ranks'
     and the template's; every other rank contributes the template's, moved to its slots."""
-    from shardscale.core import VectorLayout
+    from shardscale.core.step import VectorLayout
 
     layout = VectorLayout(world)
     template = local[TEMPLATE_RANK]

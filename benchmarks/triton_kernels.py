@@ -4,7 +4,7 @@ Run it as ``nox -s bench_kernels`` on a machine with a GPU (never part of CI).
 For a list of gradients shaped like a transformer's (many small tensors beside
 a few large ones) it measures, per kernels plugin, the step engine's read (the
 per-tensor norms) and its apply (the in-place multiply), and the whole step
-through :func:`shardscale.core.run_step`, plus torch's recipe
+through :func:`shardscale.core.step.run_step`, plus torch's recipe
 (``_amp_foreach_non_finite_check_and_unscale_`` + ``clip_grad_norm_``):
 
 * time: median and interquartile range over ``--repeats`` CUDA-event timings,
@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         args.layers, args.width, args.repeats = 1, 16, 1
     import torch
 
-    from shardscale.core import Apply, StepConfig, StepRequest, get_registry, run_step
+    from shardscale.core import get_registry
+    from shardscale.core.step import Apply, StepConfig, StepRequest, run_step
 
     device = "cpu" if args.interpret else "cuda"
     if device == "cuda" and not torch.cuda.is_available():

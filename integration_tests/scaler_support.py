@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardscale.collectives import CountingMiddleware, find_middleware
-from shardscale.core import AdapterContext, ShardedGradScaler, collect_grads, get_registry
+from shardscale.core import AdapterContext, ShardedGradScaler, get_registry
+from shardscale.core.step import collect_grads
 
 __all__ = [
     "IN_DIM",

@@ -31,7 +31,7 @@ from mp_harness import Pool
 from tolerances import clipped_grad_rtol, norm_rtol
 from torch import nn
 
-from shardscale.core import VectorLayout
+from shardscale.core.step import VectorLayout
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from mp_harness import Pool
 
-from shardscale.core import VectorLayout
+from shardscale.core.step import VectorLayout
 from shardscale.core.testing import COUNTING_GLOO
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -206,7 +206,8 @@ def _env_selection_case(spec: str) -> dict[str, Any]:
     import os
 
     from shardscale.collectives import CountingMiddleware, chain_names, find_middleware
-    from shardscale.core import BACKEND_ENV, ShardedGradScaler
+    from shardscale.core import ShardedGradScaler
+    from shardscale.core.plugins import BACKEND_ENV
 
     os.environ.pop(BACKEND_ENV, None)
     automatic = chain_names(ShardedGradScaler("cpu").backend)

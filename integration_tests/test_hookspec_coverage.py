@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from shardscale.core import HOOK_KINDS, _hookspecs
+from shardscale.core import _hookspecs
+from shardscale.core.plugins import HOOK_KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
 THIS = Path(__file__).resolve()

@@ -40,8 +40,10 @@ def _case() -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from shardscale.core import Apply, StepConfig, StepRequest, get_registry, run_step
-    from shardscale.core.step._collect import Trace, _collect_each, collect_grads
+    from shardscale.core import get_registry
+    from shardscale.core.step import Apply, StepConfig, StepRequest, run_step
+    from shardscale.core.step._buckets import Trace
+    from shardscale.core.step._collect import _collect_each, collect_grads
     from shardscale.core.step._plan import forget_plans, plans_of
 
     rank, world = dist.get_rank(), dist.get_world_size()

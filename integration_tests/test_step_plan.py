@@ -31,7 +31,8 @@ def _setup() -> tuple[list[nn.Parameter], Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from shardscale.core import StepConfig, get_registry
+    from shardscale.core import get_registry
+    from shardscale.core.step import StepConfig
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3), nn.Linear(3, 5))
@@ -70,7 +71,7 @@ def _locals(params: list[nn.Parameter]) -> list[torch.Tensor | None]:
 
 
 def _run(params: list[nn.Parameter], config: Any) -> tuple[float, float, list[Any]]:
-    from shardscale.core import Apply, StepRequest, run_step
+    from shardscale.core.step import Apply, StepRequest, run_step
 
     result = run_step(
         params, config, StepRequest(apply=Apply.MULTIPLY, norm_type=2.0, max_norm=0.5,

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from mp_harness import Pool
 
-from shardscale.core import BACKEND_ENV, ShardedGradScaler, get_registry
+from shardscale.core import ShardedGradScaler, get_registry
+from shardscale.core.plugins import BACKEND_ENV
 
 DIST = "shardscale-example-backend"
 

@@ -24,14 +24,9 @@ from tolerances import clipped_grad_rtol, norm_rtol
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchFSDPScaler
 
 from shardscale.clip import unscale_and_clip_
-from shardscale.core import (
-    CompletedHandle,
-    Handle,
-    LocalBackend,
-    ReduceOp,
-    ShardedGradScaler,
-    VectorLayout,
-)
+from shardscale.core import Handle, LocalBackend, ReduceOp, ShardedGradScaler
+from shardscale.core.plugins import CompletedHandle
+from shardscale.core.step import VectorLayout
 from shardscale.core.testing import recording_steps
 
 POISON = {2: math.inf, 5: math.nan}

@@ -18,15 +18,15 @@ from shardscale.collectives import (
     find_middleware,
 )
 from shardscale.core import (
-    CompletedHandle,
     Handle,
     PluginNotFoundError,
     ReduceOp,
     ShardedGradScaler,
     ShardscaleError,
-    VectorLayout,
     get_registry,
 )
+from shardscale.core.plugins import CompletedHandle
+from shardscale.core.step import VectorLayout
 
 pytestmark = pytest.mark.usefixtures("world1")
 

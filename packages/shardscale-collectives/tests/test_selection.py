@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from shardscale.collectives import C10dBackend, CountingMiddleware, chain_names, find_middleware
-from shardscale.core import BACKEND_ENV, PluginNotFoundError, ShardedGradScaler, get_registry
+from shardscale.core import PluginNotFoundError, ShardedGradScaler, get_registry
+from shardscale.core.plugins import BACKEND_ENV
 
 pytestmark = pytest.mark.usefixtures("world1")
 

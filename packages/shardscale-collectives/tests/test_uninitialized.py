@@ -7,13 +7,8 @@ import torch
 import torch.distributed as dist
 
 from shardscale.collectives import C10dBackend, GlooBackend, NcclBackend
-from shardscale.core import (
-    BACKEND_ENV,
-    BackendUnavailableError,
-    LocalBackend,
-    ReduceOp,
-    get_registry,
-)
+from shardscale.core import BackendUnavailableError, LocalBackend, ReduceOp, get_registry
+from shardscale.core.plugins import BACKEND_ENV
 
 
 @pytest.fixture(autouse=True)

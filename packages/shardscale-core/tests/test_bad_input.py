@@ -33,9 +33,7 @@ import torch
 
 from shardscale.core import (
     BackendUnavailableError,
-    CompletedHandle,
     LayoutError,
-    OptState,
     PluginConflictError,
     PluginNotFoundError,
     ReduceOp,
@@ -45,6 +43,8 @@ from shardscale.core import (
     ShardscaleError,
     hookimpl,
 )
+from shardscale.core.plugins import CompletedHandle
+from shardscale.core.scaler import OptState
 
 # --------------------------------------------------------------------------------------------
 # the world a case acts on

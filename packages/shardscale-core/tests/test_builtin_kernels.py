@@ -16,7 +16,8 @@ import pytest
 import torch
 from tolerances import norm_rtol
 
-from shardscale.core import BlasDotKernels, ForeachKernels, LoopKernels, Registry, get_registry
+from shardscale.core import ForeachKernels, Registry, get_registry
+from shardscale.core.plugins import BlasDotKernels, LoopKernels
 
 
 def tensors(dtype: torch.dtype) -> list[torch.Tensor]:

@@ -112,7 +112,7 @@ def test_every_door_refuses_with_the_same_error(max_norm: Any, norm_type: Any) -
 @pytest.mark.parametrize("value", [-1.0, float("nan"), 0.0])
 def test_the_cli_reports_the_contract_text(value: float) -> None:
     from shardscale.cli._trainer import check_config_values
-    from shardscale.core import check_max_norm
+    from shardscale.core.step import check_max_norm
 
     with pytest.raises(ValueError) as core:
         check_max_norm(value)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardscale.core import VectorLayout
+from shardscale.core.step import VectorLayout
 from shardscale.core.step._arith import StepScratch, reason_into
 from shardscale.core.step._errors import ERROR_KINDS, ErrorBlocks, fingerprint
 from shardscale.core.step._vector import pack_status, unpack_status

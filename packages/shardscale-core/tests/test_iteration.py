@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardscale.core import Iteration, ShardedGradScaler, step_and_flag
+from shardscale.core import ShardedGradScaler
+from shardscale.core.scaler import Iteration, step_and_flag
 
 INIT_SCALE = 2.0**10  # a power of two: unscaling is exact, so torch's parameters match bitwise
 

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from shardscale.core import lazy_exports
+from shardscale.core.plugins import lazy_exports
 
 
 def test_a_name_is_imported_on_first_access_and_cached() -> None:

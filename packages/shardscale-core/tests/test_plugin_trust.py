@@ -39,14 +39,8 @@ from typing import Any, ClassVar
 
 import pytest
 
-from shardscale.core import (
-    IN_PROCESS,
-    CompletedHandle,
-    PluginConflictError,
-    PluginNotFoundError,
-    Registry,
-    hookimpl,
-)
+from shardscale.core import PluginConflictError, PluginNotFoundError, Registry, hookimpl
+from shardscale.core.plugins import IN_PROCESS, CompletedHandle
 
 _BACKEND_MODULE = """
 from shardscale.core import CompletedHandle, hookimpl

@@ -9,9 +9,6 @@ import pytest
 import torch
 
 from shardscale.core import (
-    BACKEND_ENV,
-    DISABLE_ENV,
-    CompletedHandle,
     Handle,
     LocalBackend,
     PluginConflictError,
@@ -22,6 +19,7 @@ from shardscale.core import (
     ShardscaleError,
     hookimpl,
 )
+from shardscale.core.plugins import BACKEND_ENV, DISABLE_ENV, CompletedHandle
 
 
 @pytest.fixture

@@ -19,8 +19,6 @@ import pytest
 import torch
 
 from shardscale.core import (
-    BACKEND_ENV,
-    DISABLE_ENV,
     ForeachKernels,
     GradShard,
     LocalBackend,
@@ -32,6 +30,7 @@ from shardscale.core import (
     ShardscaleError,
     hookimpl,
 )
+from shardscale.core.plugins import BACKEND_ENV, DISABLE_ENV
 
 
 @pytest.fixture

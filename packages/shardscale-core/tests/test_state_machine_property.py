@@ -36,7 +36,9 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from shardscale.core import CompletedHandle, ReduceOp, ShardedGradScaler, VectorLayout
+from shardscale.core import ReduceOp, ShardedGradScaler
+from shardscale.core.plugins import CompletedHandle
+from shardscale.core.step import VectorLayout
 
 EXAMPLES = int(os.environ.get("SHARDSCALE_HYPOTHESIS_EXAMPLES", "120"))
 N_PARAMS = 4

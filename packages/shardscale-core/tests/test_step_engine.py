@@ -17,17 +17,9 @@ import pytest
 import torch
 from torch.amp.grad_scaler import OptState as TorchOptState
 
-from shardscale.core import (
-    Apply,
-    GradientDeviceError,
-    OptState,
-    ShardedGradScaler,
-    StepConfig,
-    StepRequest,
-    get_registry,
-    hookimpl,
-    run_step,
-)
+from shardscale.core import GradientDeviceError, ShardedGradScaler, get_registry, hookimpl
+from shardscale.core.scaler import OptState
+from shardscale.core.step import Apply, StepConfig, StepRequest, run_step
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -313,7 +305,7 @@ def test_the_reduced_vector_note_names_the_layouts_blocks_in_order() -> None:
     # "[Note: the reduced vector]" must match the code: its table lists VectorLayout's blocks.
     import re
 
-    from shardscale.core import VectorLayout
+    from shardscale.core.step import VectorLayout
     from shardscale.core.step import _engine as engine
 
     doc = engine.__doc__ or ""

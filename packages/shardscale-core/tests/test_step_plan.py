@@ -17,7 +17,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from shardscale.core import Apply, StepConfig, StepRequest, get_registry, run_step
+from shardscale.core import get_registry
+from shardscale.core.step import Apply, StepConfig, StepRequest, run_step
 from shardscale.core.step._aliasing import AliasedGradientError
 from shardscale.core.step._plan import plans_of
 

@@ -29,7 +29,8 @@ from tolerances import clipped_grad_rtol, norm_rtol
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchFSDP1Scaler
 
-from shardscale.core import AliasedGradientError, OptState, ShardedGradScaler
+from shardscale.core import AliasedGradientError, ShardedGradScaler
+from shardscale.core.scaler import OptState
 
 Clip = Callable[..., torch.Tensor]
 

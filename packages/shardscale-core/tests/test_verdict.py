@@ -133,7 +133,8 @@ def test_a_fixed_scale_refuses_update_new_scale_and_other_precision_checkpoints(
 
 def test_spike_skip_defaults_and_refusals() -> None:
     assert SpikeSkip() == SpikeSkip(max_norm_abs=None, z=6.0, ratio=None, window=128)
-    assert SpikeSkip().armed_after == 64 and SpikeSkip(window=8).armed_after == 20
+    # OLMo-core tests the 64th value (index 63) against the 63 before it: 63 accepted norms.
+    assert SpikeSkip().armed_after == 63 and SpikeSkip(window=8).armed_after == 3
     with pytest.raises(TypeError):
         SpikeSkip(5.0)  # type: ignore[misc]  # keyword-only
     with pytest.raises(ValueError, match="tests nothing"):
@@ -456,3 +457,87 @@ def test_a_scaler_pickled_before_the_verdict_unpickles_as_torchs() -> None:
     old.update()
     assert int(old.last_skip_reason) == SkipReason.OVERFLOW  # type: ignore[arg-type]
     assert old.get_scale() == 4.0 and old.loss_scaling and old.spike is None
+
+
+def _one_value_training(scaler: ShardedGradScaler, norms: list[float]) -> list[bool]:
+    """Steps whose global norm is each of ``norms`` (a one-element parameter); skipped or not."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    out = []
+    for norm in norms:
+        p.grad = torch.full_like(p, norm)
+        scaler.step(opt)
+        scaler.update()
+        out.append(bool(scaler.last_step_skipped))
+    return out
+
+
+@pytest.mark.parametrize(
+    "larger",
+    [SpikeSkip(window=8, warmup=3, ratio=2.0, z=None), SpikeSkip(window=8, warmup=3, z=3.0)],
+    ids=["ratio", "z"],
+)
+def test_a_window_resumed_into_a_larger_one_holds_only_the_saved_norms(larger: SpikeSkip) -> None:
+    steady = [1.0, 1.1, 0.9, 1.0, 1.1, 0.9, 1.0, 1.1]  # 8 accepted norms; the window keeps 4
+    head = ShardedGradScaler("cpu", loss_scaling=False, spike=SpikeSkip(window=4, warmup=3))
+    assert _one_value_training(head, steady) == [False] * len(steady)
+    saved = head.state_dict()
+    resumed = ShardedGradScaler("cpu", loss_scaling=False, spike=larger)
+    resumed.load_state_dict(saved)
+    kept = saved["spike_window"]
+    assert resumed.state_dict()["spike_window"] == kept  # exactly the accepted norms
+    assert resumed.state_dict()["spike_accepted"] == len(kept)
+    # The reference: a window of exactly those norms, tested as the docs say (one-sided).
+    mean, std = statistics.mean(kept), statistics.stdev(kept)
+    limit = 2.0 * mean if larger.ratio is not None else mean + 3.0 * std
+    # Counting the 4 empty slots as accepted zeros halved the mean (ratio: 1.05 skipped for
+    # good) and widened the spread (z: a 3x spike taken).
+    normal, spike = 1.05, 3.0 * mean
+    assert normal < limit < spike
+    assert _one_value_training(resumed, [normal, spike, normal]) == [False, True, False]
+
+
+def test_a_streak_after_a_resume_names_the_real_step_numbers() -> None:
+    head = ShardedGradScaler("cpu", loss_scaling=False, max_consecutive_skips=3)
+    # Steps 1-5 taken, 6-7 skipped (non-finite): a streak of 2 at the checkpoint.
+    assert _one_value_training(head, [1.0] * 5 + [math.nan] * 2) == [False] * 5 + [True] * 2
+    resumed = ShardedGradScaler("cpu", loss_scaling=False, max_consecutive_skips=3)
+    resumed.load_state_dict(head.state_dict())
+    with pytest.raises(SkipStreakError) as caught:
+        _one_value_training(resumed, [math.inf])
+    assert caught.value.step == 8 and caught.value.streak == 3
+    assert "scaler steps 6 to 8" in str(caught.value)
+
+
+def _olmo_core_skips(norms: list[float], *, length: int = 128, sigma: float = 6.0) -> list[bool]:
+    """OLMo-core's SkipStepOptimizer rule on grad norms, written from its documented behaviour:
+    the history keeps the last ``length + 1`` values (the current one last); a value is tested
+    once the history holds ``max(2, length // 2)``, one-sided against the mean and unbiased std
+    of the values before it; skipped steps stay in its history."""
+    history: list[float] = []
+    out = []
+    for norm in norms:
+        history = [*history, norm][-(length + 1) :]
+        if len(history) < max(2, length // 2):
+            out.append(False)
+            continue
+        before = history[:-1]
+        mean, std = statistics.mean(before), statistics.stdev(before)
+        out.append(norm - mean > sigma * std)
+    return out
+
+
+@pytest.mark.parametrize("spike_at", [62, 63, 64, 90])
+def test_spike_skip_default_takes_olmo_cores_decisions_from_the_first_tested_step(
+    spike_at: int,
+) -> None:
+    gen = torch.Generator().manual_seed(spike_at)
+    norms = (1.0 + 0.05 * torch.randn(100, generator=gen, dtype=torch.float64)).tolist()
+    norms[spike_at] = 5.0  # ~80 sigma: a spike wherever it is tested
+    expected = _olmo_core_skips(norms[: spike_at + 1])
+    # Index 63 is the first step OLMo-core tests (64 values with it): skipped there, taken at 62.
+    assert expected[-1] is (spike_at >= 63)
+    ours = _one_value_training(
+        ShardedGradScaler("cpu", loss_scaling=False, spike=SpikeSkip()), norms[: spike_at + 1]
+    )
+    assert ours == expected

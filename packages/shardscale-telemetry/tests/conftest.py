@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from shardscale import telemetry
-from shardscale.core import ShardedGradScaler, reset_registry
+from shardscale.core import ShardedGradScaler
+from shardscale.core.plugins import reset_registry
 
 
 @pytest.fixture(autouse=True)

@@ -265,7 +265,8 @@ def test_cuda_engine_step_launches_each_kernel_once() -> None:
         pytest.skip("needs a CUDA device")
     from torch.profiler import ProfilerActivity, profile
 
-    from shardscale.core import Apply, StepConfig, StepRequest, get_registry, run_step
+    from shardscale.core import get_registry
+    from shardscale.core.step import Apply, StepConfig, StepRequest, run_step
 
     registry = get_registry()
     assert registry.kernels_for(torch.device("cuda")).name == "triton"

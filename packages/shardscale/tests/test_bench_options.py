@@ -106,7 +106,7 @@ def test_from_json_refuses_files_that_are_not_results(
 def test_missing_plugins_are_named_before_starting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from shardscale.core import reset_registry
+    from shardscale.core.plugins import reset_registry
 
     monkeypatch.setenv("SHARDSCALE_DISABLE_PLUGINS", "fsdp")
     reset_registry()

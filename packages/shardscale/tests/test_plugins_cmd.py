@@ -11,7 +11,8 @@ from typing import ClassVar
 
 from shardscale.cli._app import main
 from shardscale.cli._plugins_cmd import collect_plugins
-from shardscale.core import get_registry, hookimpl, reset_registry
+from shardscale.core import get_registry, hookimpl
+from shardscale.core.plugins import reset_registry
 
 
 def _by_name(items: list[dict[str, object]], kind: str, name: str) -> dict[str, object]:

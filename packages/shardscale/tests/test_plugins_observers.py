@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from shardscale.cli._app import main
-from shardscale.core import StepRecord, get_registry, hookimpl, reset_registry
+from shardscale.core import StepRecord, get_registry, hookimpl
+from shardscale.core.plugins import reset_registry
 
 
 class _ThirdPartyObserver:

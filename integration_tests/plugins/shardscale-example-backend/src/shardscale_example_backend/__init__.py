@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from shardscale.core import CompletedHandle, Handle, ReduceOp, hookimpl
+from shardscale.core import Handle, ReduceOp, hookimpl
+from shardscale.core.plugins import CompletedHandle
 
 if TYPE_CHECKING:
     import torch

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shardscale.core import lazy_exports
+from shardscale.core.plugins import lazy_exports
 
 if TYPE_CHECKING:
     from shardscale.accelerate._contract import (

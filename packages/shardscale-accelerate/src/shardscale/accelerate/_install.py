@@ -43,7 +43,9 @@ from accelerate.utils import DistributedType
 from shardscale.accelerate._contract import check_accelerate
 from shardscale.accelerate._scheduler import hold_prepared_scheduler
 from shardscale.clip import unscale_and_clip_
-from shardscale.core import Iteration, ShardedGradScaler, optimizer_params
+from shardscale.core import ShardedGradScaler
+from shardscale.core.scaler import Iteration
+from shardscale.core.step import optimizer_params
 
 __all__ = ["ShardscaleAcceleratedOptimizer", "use_shardscale", "is_using_shardscale"]
 

@@ -22,8 +22,8 @@ from shardscale.clip._norm import clip_grad_norm_, get_total_norm
 from shardscale.clip._streaming import StreamingStats
 
 # Core built-ins now; still importable from here for code written earlier (documented in core).
-from shardscale.core import BlasDotKernels as BlasDotKernels
-from shardscale.core import LoopKernels as LoopKernels
+from shardscale.core.plugins import BlasDotKernels as BlasDotKernels
+from shardscale.core.plugins import LoopKernels as LoopKernels
 
 __all__ = [
     "get_total_norm",

@@ -4,7 +4,7 @@
 torch's recipe ``scaler.unscale_(opt); clip_grad_norm_(params, max_norm)`` makes
 three passes over gradient memory (unscale R+W, norm R, clip R+W) and at least
 two collectives (overflow flag, norm). Here the *still scaled* gradients are
-read once by the step engine (``shardscale.core.run_step``): per-tensor norms
+read once by the step engine (``shardscale.core.step.run_step``): per-tensor norms
 and a non-finite flag over every local gradient go through ONE all-reduce, then
 
 * norm = ‖s·g‖_p / s, coef = min(1, max_norm / (norm + 1e-6));
@@ -29,13 +29,8 @@ from __future__ import annotations
 import torch
 
 from shardscale.clip._streaming import StreamingStats
-from shardscale.core import (
-    ShardedGradScaler,
-    check_max_norm,
-    check_norm_type,
-    kernels_name,
-    optimizer_params,
-)
+from shardscale.core import ShardedGradScaler
+from shardscale.core.step import check_max_norm, check_norm_type, kernels_name, optimizer_params
 
 __all__ = ["unscale_and_clip_"]
 

@@ -1,6 +1,6 @@
 """Drop-ins for ``torch.nn.utils.get_total_norm`` and ``clip_grad_norm_`` on sharded gradients.
 
-Both are thin callers of the step engine (``shardscale.core.run_step``): one
+Both are thin callers of the step engine (``shardscale.core.step.run_step``): one
 read of every local gradient, ONE all-reduce, then (for ``clip_grad_norm_``)
 one in-place multiply.
 """
@@ -14,17 +14,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardscale.core import (
+from shardscale.core import CollectiveBackend, Registry, get_registry
+from shardscale.core.step import (
     Apply,
-    CollectiveBackend,
-    Registry,
     StepConfig,
     StepRequest,
     check_distinct_dims,
     check_error_if_nonfinite,
     clip_parameters_,
     distinct_param_ids,
-    get_registry,
     kernels_name,
     nonfinite_norm_error,
     norm_dtype,

@@ -5,7 +5,7 @@ FSDP2 assigns each parameter's sharded gradient right after its
 reduce-scatter and then runs the parameter's post-accumulate-grad hooks, while
 the rest of backward is still running. :class:`StreamingStats` hooks every
 DTensor parameter and reads that gradient right there, as the step engine
-would (``shardscale.core.read_tensor_norm``: its norm, whose finiteness is
+would (``shardscale.core.step.read_tensor_norm``: its norm, whose finiteness is
 the overflow flag), so ``unscale_and_clip_`` only has the collective and the
 multiply left. Every local gradient is read, counted or not: a replica's
 inf must stop the step as surely as a counted one's. A gradient that was not
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardscale.core import check_norm_type, read_tensor_norm
+from shardscale.core.step import check_norm_type, read_tensor_norm
 
 if TYPE_CHECKING:
     from shardscale.core import ShardedGradScaler
@@ -38,7 +38,7 @@ class StreamingStats:
     """Per-gradient norms computed in post-accumulate-grad hooks during backward.
 
     Pass it to ``unscale_and_clip_(..., stats=stream)`` (it implements
-    ``shardscale.core.PrecomputedNorms``). Call :meth:`remove` to take the
+    ``shardscale.core.step.PrecomputedNorms``). Call :meth:`remove` to take the
     hooks off again.
     """
 

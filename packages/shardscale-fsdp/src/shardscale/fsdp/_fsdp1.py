@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardscale.core import AdapterContext, GradShard, LayoutError, is_fsdp1_param
+from shardscale.core import AdapterContext, GradShard, LayoutError
+from shardscale.core.plugins import is_fsdp1_param
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

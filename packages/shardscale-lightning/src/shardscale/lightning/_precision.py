@@ -43,7 +43,9 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from shardscale.clip import clip_grad_norm_, unscale_and_clip_
-from shardscale.core import Iteration, ShardedGradScaler, optimizer_params
+from shardscale.core import ShardedGradScaler
+from shardscale.core.scaler import Iteration
+from shardscale.core.step import optimizer_params
 from shardscale.lightning._schedulers import hold_on_skipped_steps
 from shardscale.schedules import DeviceLRSchedule, SkipAwareScheduler
 

@@ -399,7 +399,8 @@ def _connect_check(spec: str, built: bool) -> list[Finding]:
 
 
 def _plugin_checks() -> Iterator[Finding]:
-    from shardscale.core import DISABLE_ENV, get_registry
+    from shardscale.core import get_registry
+    from shardscale.core.plugins import DISABLE_ENV
 
     reg = get_registry()
     items = reg.items()

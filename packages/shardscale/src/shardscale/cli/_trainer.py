@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from shardscale.cli._corpus import CharCorpus, load_corpus
 from shardscale.cli._distributed import DistContext, shard_model
 from shardscale.cli._model import ModelConfig, TinyGPT
-from shardscale.core import ShardedGradScaler, check_max_norm
+from shardscale.core import ShardedGradScaler
+from shardscale.core.step import check_max_norm
 from shardscale.telemetry import JsonlObserver, StepRow, Telemetry, enable
 
 __all__ = [

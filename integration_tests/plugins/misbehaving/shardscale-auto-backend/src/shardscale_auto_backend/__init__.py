@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from shardscale.core import CompletedHandle, hookimpl
+from shardscale.core import hookimpl
+from shardscale.core.plugins import CompletedHandle
 
 
 class AutoBackend:

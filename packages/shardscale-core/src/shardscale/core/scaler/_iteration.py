@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from shardscale.core.scaler._scaler import ShardedGradScaler
-from shardscale.core.step._collect import optimizer_params
+from shardscale.core.step._buckets import optimizer_params
 
 __all__ = ["Iteration", "step_and_flag"]
 

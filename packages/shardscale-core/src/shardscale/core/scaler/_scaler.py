@@ -68,8 +68,8 @@ from shardscale.core.step import (
     poll_errors,
     run_step,
 )
+from shardscale.core.step._buckets import optimizer_params
 from shardscale.core.step._clip import clip_parameters_
-from shardscale.core.step._collect import optimizer_params
 from shardscale.core.step._contract import (
     check_distinct_dims,
     check_kernels,
@@ -1385,6 +1385,8 @@ class ShardedGradScaler:
             state["spike_window"], state["spike_accepted"] = self._spike_window.state()
         if self._streak.limit is not None:
             state["_skip_streak"], state["_skip_streak_reasons"] = self._streak.state()
+            # The update count, so that a streak error after a resume names real step numbers.
+            state["_steps"] = self._step_count
         for at, policy in enumerate(self._policies):
             if self._bound is not None:
                 state[f"policy.{policy.name}"] = self._bound.states[at].state_dict()
@@ -1436,6 +1438,8 @@ class ShardedGradScaler:
             self._spike_window.load(*spike_state)
         if streak is not None:
             self._streak.load(*streak)
+        if "_steps" in state_dict:
+            self._step_count = int(state_dict["_steps"])
 
     def _validate_verdict_state(
         self, state_dict: dict[str, Any], scale: float
@@ -1473,6 +1477,12 @@ class ShardedGradScaler:
                     f"got {count!r}/{mask!r}; save the state with scaler.state_dict()"
                 )
             streak = (count, mask)
+        steps = state_dict.get("_steps", 0)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(
+                f"scaler state dict key '_steps' must be an int >= 0 (the number of update() "
+                f"calls), got {steps!r}; save the state with scaler.state_dict()"
+            )
         return spike_state, streak
 
     def __getstate__(self) -> dict[str, Any]:

@@ -16,8 +16,9 @@ module.
 
 from __future__ import annotations
 
+from shardscale.core.step._buckets import GradBuckets, optimizer_params
 from shardscale.core.step._clip import clip_parameters_, norm_dtype
-from shardscale.core.step._collect import GradBuckets, collect_grads, optimizer_params
+from shardscale.core.step._collect import collect_grads
 from shardscale.core.step._contract import (
     check_distinct_dims,
     check_error_if_nonfinite,
@@ -32,7 +33,7 @@ from shardscale.core.step._contract import (
     nonfinite_norm_error,
 )
 from shardscale.core.step._engine import read_tensor_norm, run_step
-from shardscale.core.step._errors import GradientDeviceError, StepError, poll_errors
+from shardscale.core.step._errors import poll_errors
 from shardscale.core.step._types import (
     EPS,
     Apply,
@@ -73,7 +74,4 @@ __all__ = [
     "check_max_consecutive_skips",
     "distinct_param_ids",
     "nonfinite_norm_error",
-    # errors
-    "StepError",
-    "GradientDeviceError",
 ]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from shardscale.core._errors import ShardscaleError
-from shardscale.core.step._collect import GradBuckets
+from shardscale.core.step._buckets import GradBuckets
 
 __all__ = ["AliasedGradientError", "check_no_aliased_grads"]
 

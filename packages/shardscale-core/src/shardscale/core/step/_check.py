@@ -11,7 +11,7 @@ import torch
 from shardscale.core._errors import DeclarationError
 from shardscale.core._plain_adapter import PlainTensorAdapter
 from shardscale.core.step._aliasing import check_no_aliased_grads
-from shardscale.core.step._collect import GradBuckets
+from shardscale.core.step._buckets import GradBuckets
 from shardscale.core.step._contract import ALL_RANKS, check_max_norm, check_norm_type
 from shardscale.core.step._errors import (
     GradientDeviceError,

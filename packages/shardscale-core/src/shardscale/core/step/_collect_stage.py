@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardscale.core.step._collect import GradBuckets, OwnerRefs, Trace, collect_grads
+from shardscale.core.step._buckets import GradBuckets, OwnerRefs, Trace
+from shardscale.core.step._collect import collect_grads
 from shardscale.core.step._plan import (
     find_plan,
     warm_buckets,

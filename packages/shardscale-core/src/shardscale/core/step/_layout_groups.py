@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from shardscale.core._protocols import AdapterContext
-from shardscale.core.step._collect import GradBuckets, Trace, check_ranks, dtensor_type
+from shardscale.core.step._buckets import GradBuckets, Trace, check_ranks, dtensor_type
 
 if TYPE_CHECKING:
     from shardscale.core._registry import Registry

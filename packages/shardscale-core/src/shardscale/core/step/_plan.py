@@ -54,7 +54,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardscale.core.step._arith import StepScratch
-from shardscale.core.step._collect import GradBuckets, Trace, dtensor_type
+from shardscale.core.step._buckets import GradBuckets, Trace, dtensor_type
 
 __all__ = [
     "StepPlan",

@@ -13,7 +13,7 @@ from shardscale.core.step._arith import (
     TINY64,
     fill_local,
 )
-from shardscale.core.step._collect import GradBuckets
+from shardscale.core.step._buckets import GradBuckets
 from shardscale.core.step._errors import (
     chain_names,
     fingerprint,

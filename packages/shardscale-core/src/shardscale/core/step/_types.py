@@ -13,7 +13,7 @@ import torch
 
 from shardscale.core._protocols import AdapterContext, CollectiveBackend
 from shardscale.core.step._arith import StepScratch
-from shardscale.core.step._collect import GradBuckets, Trace
+from shardscale.core.step._buckets import GradBuckets, Trace
 from shardscale.core.step._errors import (
     ErrorBlocks,
     drop_pending,
@@ -60,7 +60,7 @@ class StepConfig:
     holds its own plain tensors); ``distinct_params`` the ``id()`` of plain
     tensors this rank holds its own of while the other plain tensors are
     replicated (experts placed on this rank; see
-    :func:`~shardscale.core.distinct_param_ids`). Each must be one of the
+    :func:`~shardscale.core.step.distinct_param_ids`). Each must be one of the
     step's tensors.
     """
 

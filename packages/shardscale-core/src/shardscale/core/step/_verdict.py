@@ -109,7 +109,8 @@ class SpikeSkip:
     The window holds the norms of the last ``window`` *accepted* steps (steps
     taken by the optimizer), on the device. The relative tests (``z``,
     ``ratio``) arm once ``warmup`` steps have been accepted; ``None`` means
-    OLMo-core's rule, ``max(20, window // 2)``. ``SpikeSkip()`` is OLMo-core's
+    OLMo-core's rule, ``max(2, window // 2 - 1)`` (OLMo-core tests a norm once
+    its history *with* that norm holds ``max(2, window // 2)`` values). ``SpikeSkip()`` is OLMo-core's
     default: 6 standard deviations over the last 128 accepted steps. Pass
     ``z=None`` to use only the other tests.
     """
@@ -145,7 +146,7 @@ class SpikeSkip:
         if self.warmup is not None:
             # A std needs two values; a mean one.
             low = 2 if self.z is not None else 1
-            _count(self.warmup, "warmup", low=low, fix="; None means max(20, window // 2)")
+            _count(self.warmup, "warmup", low=low, fix="; None means max(2, window // 2 - 1)")
 
     def fingerprint(self) -> str:
         """The options as text, compared across ranks (the step's declarations)."""
@@ -154,7 +155,7 @@ class SpikeSkip:
     @property
     def armed_after(self) -> int:
         """How many accepted steps the relative tests wait for."""
-        return self.warmup if self.warmup is not None else max(20, self.window // 2)
+        return self.warmup if self.warmup is not None else max(2, self.window // 2 - 1)
 
 
 class SpikeWindow:
@@ -302,6 +303,10 @@ class SpikeWindow:
     def load(self, values: list[float], count: int) -> None:
         """Replace the content (validated by :func:`validate_spike_state`)."""
         values = values[-self.policy.window :]
+        if len(values) < min(count, self.policy.window):
+            # Resumed into a larger window: only the norms saved were accepted into this one;
+            # counting the rest would read the empty slots as accepted norms of 0.
+            count = len(values)
         self._host = (list(values), count)
         if self.buffer is not None:
             device = self.buffer.device
