@@ -1087,7 +1087,9 @@ class ShardedGradScaler:
         self._last_reason = reason
         # The window keeps accepted norms only: the last one this iteration's step tested.
         if self._spike_window is not None and any(r.norm is not None for _, r in self._iteration):
-            self._spike_window.accept(reason)
+            # Its rows are SkipReason's: a third-party code (16..62) is a skip like any other.
+            kept = reason if self._bound is None else reason.clamp(max=int(SkipReason.ERROR))
+            self._spike_window.accept(kept)
         if self._bound is not None and self._iteration:
             for policy_state in self._bound.states:
                 policy_state.after_update(reason)
