@@ -153,3 +153,36 @@ def test_plugin_policy_is_listed_and_refused_when_malformed() -> None:
         ShardedGradScaler("cpu", policies=[LossMedianSkip])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="share the name 'loss_median'"):
         ShardedGradScaler("cpu", policies=[LossMedianSkip(), LossMedianSkip(k=2.0)])
+
+
+def _different_policies_case() -> dict[str, Any]:
+    from shardscale_example_policy import LossMedianSkip
+
+    from shardscale.core import ShardedGradScaler
+
+    rank = dist.get_rank()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    scaler = ShardedGradScaler(
+        "cpu",
+        backend="c10d",
+        loss_scaling=False,
+        # One k per rank: on the same losses one rank would skip while the other steps.
+        policies=[LossMedianSkip(k=3.0 if rank == 0 else 4.0)],
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(_batch()).pow(2).mean()).backward()
+    try:
+        scaler.step(opt)
+    except Exception as exc:
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        return {"error": type(exc).__name__, "text": str(exc), "unchanged": unchanged}
+    return {"error": None}
+
+
+def test_ranks_with_different_policies_all_raise(pool2: Pool) -> None:
+    for rank, res in enumerate(pool2.run(_different_policies_case, timeout=60)):
+        assert res["error"] == "DeclarationError", res
+        # Each rank names its own policy (compare the messages across ranks).
+        assert f"policies=[loss_median:k={3.0 if rank == 0 else 4.0}" in res["text"], res["text"]
+        assert res["unchanged"], res
