@@ -61,6 +61,16 @@ FRAMEWORKS = ["lightning==2.6.6", "accelerate==1.15.0", "transformers==5.24.0"]
 # shardscale-torchtitan's drop-in is compared with torchtitan's own clip_grad_norm_ (it needs
 # datasets<4.8, which pip resolves together with TRL's).
 TEST_FRAMEWORKS = ["trl==1.16.0", "torchtitan==0.3.0"]
+# shardscale-verl runs in a venv of its own (``nox -s verl``): verl 0.9 pins transformers<5.11
+# and the tests session installs transformers 5.24. Not in DISTS, so the tests session never
+# installs verl; the isolated session takes it as one more distribution. Installing verl beside
+# torch takes about 2 minutes (7.5 with five other installs on the machine; a 2 GB venv).
+VERL_DIST = "shardscale-verl"
+VERL = "verl==0.9.1"
+# What the verl session installs from this tree besides shardscale-verl's own dependencies: the
+# CLI, for ``shardscale plugins``/``doctor`` and the packaging checks.
+VERL_TREE = ["shardscale-core", "shardscale-collectives", "shardscale-clip", "shardscale-fsdp",
+             "shardscale-telemetry", "shardscale", VERL_DIST]  # fmt: skip
 # Extras the tests session installs with their distribution (the observers' own libraries).
 TEST_EXTRAS = {"shardscale-telemetry": "tensorboard,wandb"}
 # numpy: torch's own test-side tools (CommDebugMode, all_gather_object, DCP) import it.
@@ -454,7 +464,8 @@ def typecheck(session: nox.Session) -> None:
     _install_torch(session, DEFAULT_TORCH)
     session.install("mypy>=1.10", "pluggy>=1.3", "rich", "matplotlib")
     session.install(f"torch=={DEFAULT_TORCH}", *FRAMEWORKS)  # the integrations' base classes
-    session.run("mypy", *(str(ROOT / "packages" / d / "src") for d in DISTS))
+    # shardscale-verl's sources too: verl itself is not installed here (mypy skips its imports).
+    session.run("mypy", *(str(ROOT / "packages" / d / "src") for d in [*DISTS, VERL_DIST]))
 
 
 @nox.session(python=PYTHON)
@@ -467,6 +478,56 @@ def docs(session: nox.Session) -> None:
     args = ["-W", "--keep-going", "-b", "html", str(ROOT / "docs"), str(out)]
     session.run("sphinx-build", *args, *session.posargs)
     session.log(f"docs: {out / 'index.html'}")
+
+
+def _skips_outside_xfail(junit: Path) -> list[str]:
+    """The tests a JUnit report says were skipped (an expected failure is not a skip)."""
+    import xml.etree.ElementTree as ET
+
+    found = []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        for skipped in case.iter("skipped"):
+            if skipped.get("type") != "pytest.xfail":
+                found.append(
+                    f"{case.get('classname')}::{case.get('name')}: {skipped.get('message')}"
+                )
+    return found
+
+
+@nox.session(python=PYTHON)
+def verl(session: nox.Session) -> None:
+    """shardscale-verl's tests with verl's real FSDP engine (verl 0.9.1) on 2 gloo ranks.
+
+    A venv of its own (verl pins transformers<5.11); fails if any of the tests was skipped, so
+    a verl that stops importing cannot turn the session green.
+    """
+    _install_torch(session, DEFAULT_TORCH)
+    session.install(*TEST_DEPS)
+    # torch pinned in the same command: verl must not pull another torch.
+    session.install(
+        f"torch=={DEFAULT_TORCH}", VERL, *(str(ROOT / "packages" / d) for d in VERL_TREE)
+    )
+    session.run("python", "-c", "import torch, verl; print('torch', torch.__version__, "
+                "'verl', verl.__version__)")  # fmt: skip
+    listed = session.run("shardscale", "plugins", silent=True)
+    if "shardscale-verl" not in str(listed):
+        session.error(f"`shardscale plugins` does not list shardscale-verl:\n{listed}")
+    junit = Path(session.create_tmp()) / "verl-junit.xml"
+    tests = [str(ROOT / "packages" / VERL_DIST / "tests"),
+             str(ROOT / "packages" / "shardscale" / "tests" / "test_packaging.py")]  # fmt: skip
+    session.run("pytest", *tests, "--junitxml", str(junit), *session.posargs)
+    import xml.etree.ElementTree as ET
+
+    ran = [
+        c for c in ET.parse(junit).getroot().iter("testcase") if "verl" in str(c.get("classname"))
+    ]
+    if not ran:
+        session.error("no shardscale-verl test ran")
+    skipped = [s for s in _skips_outside_xfail(junit) if "verl" in s.split(": ")[0]]
+    if skipped:
+        session.error(
+            "verl tests were skipped here, where verl is installed:\n" + "\n".join(skipped)
+        )
 
 
 def _build_wheels(session: nox.Session) -> None:
@@ -482,12 +543,13 @@ def _build_wheels(session: nox.Session) -> None:
         "-w",
         str(WHEELHOUSE),
         *_package_dirs(),
+        str(ROOT / "packages" / VERL_DIST),
         silent=True,
     )
 
 
 @nox.session(python=PYTHON)
-@nox.parametrize("dist", DISTS)
+@nox.parametrize("dist", [*DISTS, VERL_DIST])
 def isolated(session: nox.Session, dist: str) -> None:
     """Install one distribution alone (only its declared dependencies) and run its own tests."""
     _build_wheels(session)

@@ -18,9 +18,10 @@ from shardscale.cli._floors import TORCH_FLOOR, TRITON_FLOOR, TRITON_PINS, below
 REPO = Path(__file__).resolve().parents[3]
 DISTS = ["shardscale-core", "shardscale-collectives", "shardscale-clip", "shardscale-fsdp",
          "shardscale-telemetry", "shardscale-schedules", "shardscale"]  # fmt: skip
-# Not dependencies of shardscale: checked where installed (the tests session), skipped alone.
+# Not dependencies of shardscale: checked where installed (the tests session; shardscale-verl
+# in the verl session), skipped alone.
 INTEGRATIONS = ["shardscale-lightning", "shardscale-accelerate", "shardscale-transformers",
-                "shardscale-torchtitan"]  # fmt: skip
+                "shardscale-torchtitan", "shardscale-verl"]  # fmt: skip
 
 
 def _installed(dist: str) -> str:
