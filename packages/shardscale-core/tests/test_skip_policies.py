@@ -7,6 +7,7 @@ skipped when any rank voted. Its state counts the steps it skipped.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -170,6 +171,15 @@ def test_checkpoint_round_trip_and_a_bad_state_changes_nothing() -> None:
     with pytest.raises(ValueError, match="'skipped' must be an int >= 0"):
         fresh.load_state_dict(bad)
     assert fresh.get_scale() == 8.0 and fresh.state_dict()["policy.loss_above"] == {"skipped": 2}
+    unbound = ShardedGradScaler("cpu", policies=[LossAbove()])
+    with pytest.raises(ValueError, match="'skipped' must be an int >= 0"):
+        unbound.load_state_dict(bad)  # refused before the policy is bound, too
+    assert "policy.loss_above" not in unbound.state_dict()
+    copied = copy.deepcopy(fresh)  # the device state travels as the policy's state_dict
+    assert copied.state_dict()["policy.loss_above"] == {"skipped": 2}
+    _train(copied, [20.0])
+    assert copied.state_dict()["policy.loss_above"] == {"skipped": 3}
+    assert fresh.state_dict()["policy.loss_above"] == {"skipped": 2}
 
 
 @pytest.mark.parametrize(

@@ -361,10 +361,10 @@ class ShardedGradScaler:
         if not isinstance(check_loss, bool):
             raise TypeError(f"check_loss must be True or False, got {check_loss!r}")
         self._check_loss = check_loss
-        self._policies = check_policies(policies)
-        self._bound: BoundPolicies | None = None
+        self._plugin_policies = check_policies(policies)
+        self._plugin_bound: BoundPolicies | None = None
         # A checkpoint's policy states loaded before the policies were bound (by name).
-        self._policy_pending: dict[str, Any] = {}
+        self._plugin_pending: dict[str, Any] = {}
         self._loss_value: torch.Tensor | None = None
         bad_fuse = _bad_fuse_option(fuse_optimizer)
         if bad_fuse is not None:
@@ -515,11 +515,11 @@ class ShardedGradScaler:
         if self._spike_window is not None:
             self._spike_window.materialize(dev)
         self._streak.materialize(dev)
-        if self._policies and self._bound is None:
-            self._bound = BoundPolicies(self._policies, dev)
-            for policy, state in zip(self._policies, self._bound.states, strict=True):
-                if policy.name in self._policy_pending:
-                    state.load_state_dict(self._policy_pending.pop(policy.name))
+        if self._plugin_policies and self._plugin_bound is None:
+            self._plugin_bound = BoundPolicies(self._plugin_policies, dev)
+            for policy, state in zip(self._plugin_policies, self._plugin_bound.states, strict=True):
+                if policy.name in self._plugin_pending:
+                    state.load_state_dict(self._plugin_pending.pop(policy.name))
 
     # -- scale ---------------------------------------------------------------------------------
 
@@ -542,7 +542,7 @@ class ShardedGradScaler:
             assert self._scale is not None
             if self._check_loss:
                 self.observe_loss(outputs)
-            elif self._policies:
+            elif self._plugin_policies:
                 self._observe_loss_value(outputs)
             if not self._loss_scaling:
                 return outputs  # the scale is 1: the loss itself, no multiply
@@ -560,7 +560,7 @@ class ShardedGradScaler:
                 assert self._scale is not None
                 if self._check_loss:
                     self.observe_loss(val)
-                elif self._policies:
+                elif self._plugin_policies:
                     self._observe_loss_value(val)
                 if not self._loss_scaling:
                     return val
@@ -593,7 +593,7 @@ class ShardedGradScaler:
         self._loss_flag = (
             flag if self._loss_flag is None else self._loss_flag | flag.to(self._loss_flag.device)
         )
-        if self._policies:
+        if self._plugin_policies:
             self._observe_loss_value(loss)
 
     def _observe_loss_value(self, loss: torch.Tensor) -> None:
@@ -611,13 +611,13 @@ class ShardedGradScaler:
             f"loss_scaling={self._loss_scaling}, spike={self._spike!r}, "
             f"max_consecutive_skips={self._streak.limit}"
         )
-        if self._bound is not None:
-            declared += f", policies=[{self._bound.fingerprint()}]"
+        if self._plugin_bound is not None:
+            declared += f", policies=[{self._plugin_bound.fingerprint()}]"
         return Verdict(
             nonfinite_reason=reason,
             spike=self._spike_window,
             declared=declared,
-            policies=self._bound,
+            policies=self._plugin_bound,
         )
 
     # -- unscale -------------------------------------------------------------------------------
@@ -1088,10 +1088,10 @@ class ShardedGradScaler:
         # The window keeps accepted norms only: the last one this iteration's step tested.
         if self._spike_window is not None and any(r.norm is not None for _, r in self._iteration):
             # Its rows are SkipReason's: a third-party code (16..62) is a skip like any other.
-            kept = reason if self._bound is None else reason.clamp(max=int(SkipReason.ERROR))
+            kept = reason if self._plugin_bound is None else reason.clamp(max=int(SkipReason.ERROR))
             self._spike_window.accept(kept)
-        if self._bound is not None and self._iteration:
-            for policy_state in self._bound.states:
+        if self._plugin_bound is not None and self._iteration:
+            for policy_state in self._plugin_bound.states:
                 policy_state.after_update(reason)
         poll_errors()  # an accelerator step's error that already arrived surfaces here, no sync
         self._optimizers_known = bool(self._optimizers)
@@ -1389,11 +1389,11 @@ class ShardedGradScaler:
             state["_skip_streak"], state["_skip_streak_reasons"] = self._streak.state()
             # The update count, so that a streak error after a resume names real step numbers.
             state["_steps"] = self._step_count
-        for at, policy in enumerate(self._policies):
-            if self._bound is not None:
-                state[f"policy.{policy.name}"] = self._bound.states[at].state_dict()
-            elif policy.name in self._policy_pending:
-                state[f"policy.{policy.name}"] = self._policy_pending[policy.name]
+        for at, policy in enumerate(self._plugin_policies):
+            if self._plugin_bound is not None:
+                state[f"policy.{policy.name}"] = self._plugin_bound.states[at].state_dict()
+            elif policy.name in self._plugin_pending:
+                state[f"policy.{policy.name}"] = self._plugin_pending[policy.name]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1412,14 +1412,16 @@ class ShardedGradScaler:
         )
         spike_state, streak = self._validate_verdict_state(state_dict, values.scale)
         # A policy validates its own state: loaded first, so a bad one changes nothing else.
-        for at, policy in enumerate(self._policies):
+        for at, policy in enumerate(self._plugin_policies):
             saved = state_dict.get(f"policy.{policy.name}")
             if saved is None:
                 continue
-            if self._bound is not None:
-                self._bound.states[at].load_state_dict(saved)
+            if self._plugin_bound is not None:
+                self._plugin_bound.states[at].load_state_dict(saved)
             else:
-                self._policy_pending[policy.name] = saved
+                # Not bound yet (no step so far): checked now on a throwaway CPU state.
+                policy.bind(torch.device("cpu")).load_state_dict(saved)
+                self._plugin_pending[policy.name] = saved
         # Validated: now apply, all at once (every value fits its float32/int32 tensor).
         self._init_scale = values.scale
         self._growth_factor = values.growth_factor
@@ -1504,12 +1506,12 @@ class ShardedGradScaler:
         state["_last_skipped"] = state["_last_grad_norm"] = None
         state["_last_reason"] = state["_loss_flag"] = state["_loss_value"] = None
         # Third-party policies' device state travels as their state_dict, bound again on use.
-        if self._bound is not None:
-            state["_policy_pending"] = {
+        if self._plugin_bound is not None:
+            state["_plugin_pending"] = {
                 p.name: st.state_dict()
-                for p, st in zip(self._policies, self._bound.states, strict=True)
+                for p, st in zip(self._plugin_policies, self._plugin_bound.states, strict=True)
             }
-            state["_bound"] = None
+            state["_plugin_bound"] = None
         # The verdict's device state travels as host values, like the scale.
         if self._spike_window is not None:
             window = SpikeWindow(self._spike_window.policy)
@@ -1534,9 +1536,9 @@ class ShardedGradScaler:
         state.setdefault("_streak", SkipStreak(None))
         state.setdefault("_loss_flag", None)
         state.setdefault("_last_reason", None)
-        state.setdefault("_policies", ())
-        state.setdefault("_bound", None)
-        state.setdefault("_policy_pending", {})
+        state.setdefault("_plugin_policies", ())
+        state.setdefault("_plugin_bound", None)
+        state.setdefault("_plugin_pending", {})
         state.setdefault("_loss_value", None)
         self.__dict__.update(state)
         # id()s do not survive a copy: take them again from the (copied) declared parameters.
