@@ -118,10 +118,26 @@ class PolicyState(Protocol):
 class SkipPolicy(Protocol):
     """A frozen option object for one reason to skip a step (see [Note: a skip policy])."""
 
-    name: str
-    code: int
-    precedence: int
-    slots: tuple[str, ...]
+    # Read-only members: a policy declares them as class attributes (ClassVar).
+    @property
+    def name(self) -> str:
+        """Unique among the registered policies; its checkpoint key is ``policy.<name>``."""
+        ...
+
+    @property
+    def code(self) -> int:
+        """Its reason code: 16..62 for a third-party policy."""
+        ...
+
+    @property
+    def precedence(self) -> int:
+        """Its rank among the reasons (higher wins): 1..29, not 10 or 20, for a third party."""
+        ...
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        """The names of the SUM slots it adds to the reduced vector."""
+        ...
 
     def fingerprint(self) -> str:
         """The policy and its options as text, compared across ranks."""
