@@ -238,3 +238,22 @@ def test_registry_lists_policies_and_names_both_owners_of_a_clash() -> None:
         for name in ("mine", "clash"):
             if registry._pm.get_plugin(name) is not None:
                 registry.unregister(name)
+
+
+def test_several_optimizers_take_the_strongest_reason_by_precedence() -> None:
+    # Optimizer A overflows (code 4, precedence 40); the policy flags both steps (code 40,
+    # precedence 12): the iteration's reason is the overflow, not the larger code.
+    scaler = ShardedGradScaler("cpu", init_scale=4.0, policies=[LossAbove(limit=10.0)])
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1)
+    x = torch.ones(2, 3)
+    scaler.scale((a(x) + b(x)).pow(2).mean() * 0.0 + 20.0).backward()
+    assert a.weight.grad is not None
+    a.weight.grad[0, 0] = math.nan
+    scaler.step(opt_a)
+    scaler.step(opt_b)
+    scaler.update()
+    assert int(scaler.last_skip_reason) == SkipReason.OVERFLOW  # type: ignore[arg-type]
+    assert scaler.get_scale() == 2.0

@@ -1142,6 +1142,10 @@ class ShardedGradScaler:
             kind = self._verdict().nonfinite_reason
             reasons = [torch.where(flag > 0, int(kind), 0) for flag in skips]
         # The common case, one optimizer, costs no device op here.
+        bound = self._plugin_bound
+        if bound is not None and len(reasons) > 1:
+            # A third-party code (16..62) is no precedence: compare the reasons' ranks.
+            return _strongest(skips), _strongest(overflows), bound.strongest(reasons)
         return _strongest(skips), _strongest(overflows), _strongest(reasons)
 
     def _set_scale(self, scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:

@@ -216,7 +216,7 @@ class BoundPolicies:
     reason code (built-ins and these policies).
     """
 
-    __slots__ = ("codes", "policies", "slots", "states")
+    __slots__ = ("codes", "policies", "ranks", "slots", "states")
 
     def __init__(self, policies: tuple[SkipPolicy, ...], device: torch.device) -> None:
         self.policies = policies
@@ -229,6 +229,18 @@ class BoundPolicies:
         for p in policies:
             table[p.precedence] = p.code
         self.codes = table.to(device)
+        #: code -> precedence (the inverse of :attr:`codes`).
+        ranks = torch.zeros(_TABLE, dtype=torch.int64)
+        for reason, rank in BUILTIN_PRECEDENCE.items():
+            ranks[int(reason)] = rank
+        for p in policies:
+            ranks[p.code] = p.precedence
+        self.ranks = ranks.to(device)
+
+    def strongest(self, reasons: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The highest-precedence reason of several 0-dim reason codes (on one device)."""
+        ranked = torch.take(self.ranks, torch.stack(list(reasons)))
+        return torch.take(self.codes, ranked.amax())
 
     def fingerprint(self) -> str:
         """Every policy's fingerprint, in order."""
