@@ -257,3 +257,13 @@ def test_several_optimizers_take_the_strongest_reason_by_precedence() -> None:
     scaler.update()
     assert int(scaler.last_skip_reason) == SkipReason.OVERFLOW  # type: ignore[arg-type]
     assert scaler.get_scale() == 2.0
+
+
+def test_a_streak_of_policy_skips_names_its_code() -> None:
+    from shardscale.core import SkipStreakError
+
+    scaler = ShardedGradScaler(
+        "cpu", loss_scaling=False, max_consecutive_skips=2, policies=[LossAbove(limit=10.0)]
+    )
+    with pytest.raises(SkipStreakError, match=r"reasons: code 40\)"):
+        _train(scaler, [20.0, 20.0])

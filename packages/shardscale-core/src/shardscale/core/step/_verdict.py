@@ -411,7 +411,9 @@ class SkipStreak:
         if count < self.limit:
             return
         reasons = tuple(r for r in SkipReason if r and mask & (1 << r))
-        names = ", ".join(r.name.lower() for r in reasons)
+        # A third-party skip policy's code (16..62) is named by its number.
+        plugin = [f"code {c}" for c in range(16, 63) if mask & (1 << c)]
+        names = ", ".join([r.name.lower() for r in reasons] + plugin)
         first = self._step - count + 1
         raise SkipStreakError(
             f"{count} consecutive optimizer steps were skipped (scaler steps {first} to "
