@@ -54,15 +54,15 @@ def test_fsdp_tp_mesh_trains_together_and_norm_matches_plain_fsdp(tmp_path: Path
 
 
 def test_pipeline_mesh_trains_together_and_matches_plain_fsdp(tmp_path: Path) -> None:
-    """``--mesh pp2,dp2``: 2 pipeline stages x FSDP 2 in fp16 against FSDP over 2 ranks.
+    """``--mesh pp2xdp2``: 2 pipeline stages x FSDP 2 in fp16 against FSDP over 2 ranks.
 
     Both see the same data per data-parallel coordinate and start from the same
     weights, so the first loss and the first (clipped-by) norm must agree up to
     fp16 rounding: a norm missing a stage, or counting one twice, would not.
     Only the last stage scales the loss; the first stage's scaler never does.
     """
-    pp = _demo(tmp_path / "pp", "--mesh", "pp2,dp2", "--backend", "counting+c10d")
-    assert pp["run"]["world_size"] == 4 and pp["run"]["mesh"] == "pp2,dp2"
+    pp = _demo(tmp_path / "pp", "--mesh", "pp2xdp2", "--backend", "counting+c10d")
+    assert pp["run"]["world_size"] == 4 and pp["run"]["mesh"] == "pp2xdp2"
     hashes = {json.loads((tmp_path / "pp" / f"result-rank{r}.json").read_text())["params_sha256"]
               for r in range(4)}  # fmt: skip
     assert len(hashes) == 1, "the stages assembled different models"

@@ -42,7 +42,7 @@ def _optimizer(kind: str, params: Any, ours: bool = True) -> torch.optim.Optimiz
     return torch.optim.AdamW(params, lr=LR, eps=1e-3, amsgrad=True)
 
 
-def _arm(kind: str, ours: bool) -> dict[str, Any]:
+def _arm(kind: str, ours: bool, clear: bool = False, hook: bool = False) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchScaler
@@ -63,13 +63,23 @@ def _arm(kind: str, ours: bool) -> dict[str, Any]:
     opt = _optimizer(kind, params, ours)
     kw: dict[str, Any] = {"init_scale": 2.0**10, "growth_interval": 2}
     scaler: Any = (
-        ShardedGradScaler("cpu", backend="c10d", **kw) if ours else TorchScaler("cpu", **kw)
+        ShardedGradScaler("cpu", backend="c10d", fuse_optimizer=True, **kw)
+        if ours
+        else TorchScaler("cpu", **kw)
     )
     gen = torch.Generator().manual_seed(3)
     folded = []
     local = []
     lists = [g["params"] for g in opt.param_groups]  # the user's list objects
+    in_hook: list[dict[str, Any]] = []
+    if hook:
+        # What a post-hook sees: the optimizer as built (DTensor parameters and state, the
+        # user's flags), whatever the step ran on.
+        opt.register_step_post_hook(lambda o, *_: in_hook.append(_seen_in_hook(o)))
     for step in range(STEPS):
+        if clear and step == OVERFLOW_STEP:
+            for st in opt.state.values():
+                st.clear()  # in place: the state dict and its length stay
         opt.zero_grad(set_to_none=True)
         scaler.scale(torch.zeros(()))  # the scale exists (torch's scaler makes it here)
         s = scaler.get_scale()
@@ -83,9 +93,7 @@ def _arm(kind: str, ours: bool) -> dict[str, Any]:
         if ours:
             unscale_and_clip_(scaler, opt, 0.05)
             folded.append(scaler._per_optimizer_states[id(opt)].folded)
-            from shardscale.core.scaler._optimizer_fusion import runs_on_local_shards
-
-            local.append(runs_on_local_shards(opt))
+            local.append(scaler._fusion.local(opt))
         else:
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(params, 0.05)
@@ -109,14 +117,36 @@ def _arm(kind: str, ours: bool) -> dict[str, Any]:
         "folded": folded,
         "local": local,
         "dtensor_state": dtensor_state,
+        "in_hook": in_hook,
         "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         # The very list objects the optimizer was built with (code holding one sees the groups).
         "same_lists": all(g["params"] is x for g, x in zip(opt.param_groups, lists, strict=True)),
     }
 
 
-def _both(kind: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    return _arm(kind, True), _arm(kind, False)
+def _seen_in_hook(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    sd = opt.state_dict()
+    return {
+        "flags": [(g.get("fused"), g.get("foreach")) for g in sd["param_groups"]],
+        "dtensor_params": all(
+            isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]
+        ),
+        "dtensor_state": all(
+            isinstance(v, DTensor)
+            for st in sd["state"].values()
+            for k, v in st.items()
+            if k != "step"
+        ),
+        "entries": len(sd["state"]),
+    }
+
+
+def _both(
+    kind: str, clear: bool = False, hook: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    return _arm(kind, True, clear, hook), _arm(kind, False, clear, hook)
 
 
 def _bounds(kind: str, numel: int) -> tuple[float, float]:
@@ -165,3 +195,54 @@ def test_fsdp2_through_the_fused_kernel_matches_torchs_recipe(pool2: Pool, kind:
                 torch.testing.assert_close(
                     s[key], r[key], rtol=0 if exact else rtol, atol=0 if exact else atol
                 )
+
+
+def _assert_close_to_torch(ours: dict[str, Any], ref: dict[str, Any], kind: str) -> None:
+    assert ours["scale"] == ref["scale"]
+    numel = sum(p.numel() for p in ref["params"])
+    rtol, atol = _bounds(kind, numel)
+    for p, q in zip(ours["params"], ref["params"], strict=True):
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol)
+    assert [sorted(s) for s in ours["state"]] == [sorted(s) for s in ref["state"]]
+    for s, r in zip(ours["state"], ref["state"], strict=True):
+        for key in r:
+            exact = key == "step"  # skipped steps not counted, on both
+            torch.testing.assert_close(
+                s[key], r[key], rtol=0 if exact else rtol, atol=0 if exact else atol
+            )
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam_native", "sgd_momentum"])
+def test_fsdp2_state_cleared_in_place_then_an_overflow_matches_torchs_recipe(
+    pool2: Pool, kind: str
+) -> None:
+    # Issue 27, attack 2: the fusion checks were keyed on the state dict's identity and length;
+    # after an in-place clear Adam kept running on the local shards, whose state is thrown
+    # away after each step (never recreated: every step ran as Adam's first).
+    results = pool2.run(_both, kind, True, timeout=120)
+    for ours, ref in results:  # type: ignore[misc]
+        _assert_close_to_torch(ours, ref, kind)
+        assert ours["dtensor_state"]
+        if kind.startswith("adam"):
+            # The cleared step (skipped, rank 1's inf) makes the state through DTensor's rule,
+            # then the local shards again.
+            assert ours["local"] == [False, True, False, True, True]
+        else:
+            # Momentum SGD multiplies while it has no buffers (its first step, and after the
+            # clear until a step is taken), then folds again.
+            assert ours["folded"] == [False, True, False, False, True]
+
+
+@pytest.mark.parametrize("kind", ["adam_native"])
+def test_fsdp2_a_post_hook_sees_the_users_optimizer(pool2: Pool, kind: str) -> None:
+    # A natively fused optimizer over DTensors runs torch's kernel on the local shards; a
+    # post-hook still sees (and a state_dict taken there records) the DTensor optimizer.
+    results = pool2.run(_both, kind, False, True, timeout=120)
+    for ours, ref in results:  # type: ignore[misc]
+        _assert_close_to_torch(ours, ref, kind)
+        assert ours["local"][1:] == [True] * (STEPS - 1)
+        seen = ours["in_hook"]
+        assert len(seen) == STEPS  # a fused optimizer steps (and skips on device) every time
+        assert all(s["dtensor_params"] and s["dtensor_state"] for s in seen)
+        assert all(s["flags"] == [(True, False)] for s in seen)  # the user's own
+        assert all(s["entries"] == len(ours["params"]) for s in seen)

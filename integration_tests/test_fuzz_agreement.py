@@ -263,10 +263,10 @@ def _case_fuzz(layout: str, steps: int) -> dict[str, Any]:
                     CLIP_LIMIT,
                     stats=stream if plan.mode == "stream" else None,
                     # Replicated: compared bit for bit with torch's recipe, which the multiply
-                    # gives; the sharded layouts run SGD through torch's fused kernel (on the
-                    # local shards), within their tolerance (tests/test_fused_optimizer.py
-                    # derives the kernel's rounding-level bound).
-                    fuse_optimizer=False if layout == "replicated" else None,
+                    # (the default) gives; the sharded layouts ask for SGD through torch's fused
+                    # kernel (on the local shards), within their tolerance
+                    # (tests/test_fused_optimizer.py derives the kernel's rounding-level bound).
+                    fuse_optimizer=layout != "replicated",
                 )
                 ref_scaler.unscale_(ref_opt)
                 ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, CLIP_LIMIT)

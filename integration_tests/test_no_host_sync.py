@@ -94,9 +94,9 @@ def _fused_step_case(
 def test_fused_step_has_no_host_read_on_two_gloo_ranks(
     pool2: Pool, fused: bool, opt_kind: str
 ) -> None:
-    # Unfused torch optimizers run through torch's fused kernel after unscale_and_clip_ (for
-    # SGD over FSDP2's DTensors on their local shards): no host read there either.
-    results = pool2.run(_fused_step_case, 1, fused, opt_kind, timeout=120)
+    # Unfused torch optimizers run through torch's fused kernel when asked (fuse_optimizer=True;
+    # for SGD over FSDP2's DTensors on their local shards): no host read there either.
+    results = pool2.run(_fused_step_case, 1, fused, opt_kind, None if fused else True, timeout=120)
     for res in results:
         assert isinstance(res, dict)
         assert res["seen"] == [[], [], []], res["seen"]

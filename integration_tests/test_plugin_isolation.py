@@ -458,13 +458,19 @@ def test_a_plugin_whose_import_never_returns_is_a_failure_not_a_hang(
     # bad_hang's import waits forever: the command gives it --plugin-timeout seconds, names
     # it (and its distribution) as a failure, and finishes with everything else reported.
     # Without the limit the command hangs: the subprocess timeout turns that into a failure.
-    limit = 2
+    # The limit is above the loader's few seconds of silence, so it must say whom it waits for.
+    limit = 4
     argv = ["-m", "shardscale.cli", command, "--json", "--plugin-timeout", str(limit)]
     proc = _run(site, argv, env={"SHARDSCALE_TEST_HANG": "1"}, timeout=150)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     data = json.loads(proc.stdout)  # what the plugin printed did not leak into the JSON
     dist, version = META["bad_hang"]
+    waiting = [line for line in proc.stderr.splitlines() if "waiting for plugin" in line]
+    assert waiting == [
+        f"shardscale: waiting for plugin 'bad_hang' from {dist} to import (shardscale_bad_hang); "
+        f"it is given up after {limit} s"
+    ], proc.stderr
     if command == "plugins":
         hung = _failure(data, "bad_hang")
         assert (hung["distribution"], hung["version"], hung["stage"]) == (dist, version, "import")

@@ -130,6 +130,37 @@ def test_second_call_returns_the_same_scaler() -> None:
         use_shardscale(acc, init_scale=4.0)
 
 
+def test_second_call_with_the_same_options_returns_the_same_scaler() -> None:
+    # The docs promise it; it used to raise whenever options were passed again.
+    acc = _accelerator()
+    scaler = use_shardscale(acc, init_scale=2.0**12, growth_interval=7)
+    assert use_shardscale(acc, init_scale=2.0**12, growth_interval=7) is scaler
+    assert use_shardscale(acc, growth_interval=7, init_scale=4096) is scaler  # 4096 == 2.0**12
+    assert use_shardscale(acc) is scaler
+    assert use_shardscale(acc, scaler=scaler) is scaler
+    assert scaler.get_scale() == 2.0**12
+    # Other options would be silently ignored: refused, naming what differs, nothing changed.
+    with pytest.raises(RuntimeError) as info:
+        use_shardscale(acc, init_scale=2.0**10, growth_interval=7)
+    message = str(info.value)
+    assert "already applied here with init_scale=4096.0" in message
+    assert "this call asks for init_scale=1024.0" in message and "growth_interval" not in message
+    with pytest.raises(RuntimeError, match="with no such options; this call asks for backoff"):
+        use_shardscale(acc, init_scale=2.0**12, growth_interval=7, backoff_factor=0.25)
+    with pytest.raises(RuntimeError, match="passes another scaler"):
+        use_shardscale(acc, scaler=ShardedGradScaler("cpu"))
+    assert acc.scaler is scaler and scaler.get_scale() == 2.0**12
+
+
+def test_second_call_after_a_given_scaler() -> None:
+    acc = _accelerator()
+    mine = ShardedGradScaler("cpu", init_scale=8.0)
+    assert use_shardscale(acc, scaler=mine) is mine
+    assert use_shardscale(acc, scaler=mine) is mine and use_shardscale(acc) is mine
+    with pytest.raises(RuntimeError, match=r"with a scaler you built.*init_scale"):
+        use_shardscale(acc, init_scale=8.0)
+
+
 def test_grad_scaler_kwargs_handler_and_options_build_the_scaler() -> None:
     acc = _accelerator(kwargs_handlers=[GradScalerKwargs(init_scale=64.0, growth_interval=3)])
     scaler = use_shardscale(acc, backoff_factor=0.25)

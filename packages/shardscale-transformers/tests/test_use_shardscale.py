@@ -142,6 +142,21 @@ def test_second_call_returns_the_same_scaler_and_adds_one_callback(tmp_path: Pat
         use_shardscale(trainer, init_scale=2.0)
 
 
+def test_second_call_with_the_same_options_returns_the_same_scaler(tmp_path: Path) -> None:
+    # docs/transformers.md: "Calling it a second time returns the same scaler" -- with the same
+    # options too (it used to raise), and other options are refused naming the difference.
+    trainer = _trainer(tmp_path)
+    scaler = use_shardscale(trainer, init_scale=2.0**12)
+    assert use_shardscale(trainer, init_scale=2.0**12) is scaler is trainer.accelerator.scaler
+    kinds = [type(cb) for cb in trainer.callback_handler.callbacks]
+    assert kinds.count(ShardscaleCallback) == 1
+    with pytest.raises(
+        RuntimeError, match=r"with init_scale=4096.0; this call asks for init_scale=2.0"
+    ):
+        use_shardscale(trainer, init_scale=2.0)
+    assert trainer.accelerator.scaler is scaler and scaler.get_scale() == 2.0**12
+
+
 def test_after_train_it_refuses(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, max_grad_norm=1.0)
     trainer.args.max_steps = 1
@@ -174,11 +189,34 @@ def test_an_inf_step_is_skipped_held_and_recorded(tmp_path: Path, optim: str) ->
     assert records["ShardscaleCallback"]["attributes"]["skipped_steps"] == [INF_STEP + 1]
     logs = [e for e in trainer.state.log_history if "loss" in e]
     assert [e["skipped_steps"] for e in logs] == [0, 0, 1, 1, 1]
+    # loss_scale is read after the step's update: the skipped step's own entry shows the backoff.
     assert [e["loss_scale"] for e in logs] == [256.0, 256.0, 128.0, 128.0, 128.0]
+    # global_step counts the skipped step like any other (docs/transformers.md says so).
+    assert [e["step"] for e in logs] == [1, 2, 3, 4, 5] and trainer.state.global_step == 5
     # The scheduler held on the skipped step: 4 of 5 linear decay steps.
     assert trainer.lr_scheduler.last_epoch == 4
     assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(1e-2 * (1 - 4 / 5))
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_disabled_scaler_logs_scale_one_and_no_skips(tmp_path: Path, precision: str) -> None:
+    # Without fp16 the scaler is disabled; the page says what the logs then carry.
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ,
+    )  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, bf16=precision == "bf16", max_steps=2,
+        per_device_train_batch_size=2, logging_steps=1, report_to="none", disable_tqdm=True,
+        save_strategy="no",
+    )  # fmt: skip
+    trainer = Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=_Tokens(8))
+    scaler = use_shardscale(trainer)
+    assert not scaler.is_enabled()
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert [(e["loss_scale"], e["skipped_steps"]) for e in logs] == [(1.0, 0), (1.0, 0)]
 
 
 # -- listed and checked by the shardscale command ----------------------------------------------

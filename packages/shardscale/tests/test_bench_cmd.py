@@ -22,17 +22,19 @@ QUICK = ["bench", "--quick", "--meshes", "dp2", "--scaling-points", "8,16"]
 
 # (optimizer, arm) -> (read, written) of post-processing + step, in units of G:
 # torch: unscale R+W, norm R, clip R+W, the optimizer's read R (fused Adam without grad_scale
-# leaves the grads alone); ours: statistics R, multiply R+W (SGD) or fused Adam's R+W (it
-# divides by grad_scale and stores the gradient back); streaming moves the statistics read
-# into backward hooks (counted apart).
+# leaves the grads alone); ours: statistics R, then the multiply R+W and SGD's read R (the
+# default steps the foreach SGD as built), or fused Adam's R+W (it divides by grad_scale and
+# stores the gradient back); ours_fuse_optimizer: the foreach SGD's step through torch's fused
+# kernel too, R+W; streaming moves the statistics read into backward hooks (counted apart).
 EXPECTED = {
-    ("sgd", "torch"): (4, 2), ("sgd", "torch_aa"): (4, 2), ("sgd", "ours"): (2, 1),
-    ("sgd", "ours_streaming"): (1, 1), ("adam_fused", "torch"): (4, 2),
-    ("adam_fused", "torch_aa"): (4, 2), ("adam_fused", "ours"): (2, 1),
+    ("sgd", "torch"): (4, 2), ("sgd", "torch_aa"): (4, 2), ("sgd", "ours"): (3, 1),
+    ("sgd", "ours_fuse_optimizer"): (2, 1), ("sgd", "ours_streaming"): (2, 1),
+    ("adam_fused", "torch"): (4, 2), ("adam_fused", "torch_aa"): (4, 2),
+    ("adam_fused", "ours"): (2, 1), ("adam_fused", "ours_fuse_optimizer"): (2, 1),
     ("adam_fused", "ours_streaming"): (1, 1),
 }  # fmt: skip
-# Ours hands both optimizers grad_scale (the foreach SGD's step runs through torch's fused
-# kernel): the kernel reads each gradient and writes it back unscaled, no multiply pass.
+# Where the kernel takes grad_scale (fused Adam; the foreach SGD with fuse_optimizer=True) it
+# reads each gradient and writes it back unscaled, no multiply pass.
 # Passes over gradients + parameters + optimizer state (the optimizer's own: SGD reads the grad
 # and reads+writes the parameter, 3; fused Adam also reads+writes both moments, 7): the
 # gradient passes above, plus 2 (SGD) or 6 (Adam) state passes.
@@ -76,6 +78,7 @@ def test_quick_run_measures_every_arm(quick_run: tuple[Path, str]) -> None:
     ]
     for row in result["rows"]:
         assert row["mesh_shape"] == [2] and row["local_grad_bytes"] == G
+        # The smoke run leaves ours_fuse_optimizer out (test_the_full_run_has_both_ours_arms).
         assert set(row["arms"]) == {"torch", "torch_aa", "ours", "ours_streaming"}
         for name, arm in row["arms"].items():
             assert len(arm["step_ms"]) == row["rounds"] >= 4
@@ -108,7 +111,7 @@ def test_quick_run_measures_every_arm(quick_run: tuple[Path, str]) -> None:
             cold = p["arms"][arm]["cold_s"]
             assert len(cold) >= 3 and p["arms"][arm]["cold"]["min"] == min(cold)
     for word in ("A/A", "torch again (A/A)", "ours + streaming / ours", "scaling", "derived",
-                 "5.0 (floor 4 -> 0.50)", "9.0 (floor 8 -> 0.67)", "Launches per post-processing",
+                 "6.0 (floor 6 -> 0.75)", "9.0 (floor 8 -> 0.67)", "Launches per post-processing",
                  str(out / "bench.json")):  # fmt: skip
         assert word in stdout
     if have_matplotlib():
@@ -218,3 +221,16 @@ def test_non_finite_numbers_are_written_as_null(tmp_path: Path) -> None:
         {"a": math.nan, "b": [math.inf, 1.5], "c": {"d": -math.inf}}, tmp_path / "x.json"
     )
     assert json.loads(path.read_text()) == {"a": None, "b": [None, 1.5], "c": {"d": None}}
+
+
+def test_the_full_run_has_both_ours_arms() -> None:
+    # ours with the default (the optimizer stepped as built) and with fuse_optimizer=True side
+    # by side in every full run's table; their pass counts are held against hand counts in
+    # test_bench_passes.py.
+    from shardscale.cli.bench._config import BenchConfig, quick
+    from shardscale.cli.bench._report import _LABEL
+
+    arms = BenchConfig().arms()
+    assert arms[arms.index("ours") + 1] == "ours_fuse_optimizer"
+    assert _LABEL["ours_fuse_optimizer"] == "ours, fuse_optimizer=True"
+    assert "ours_fuse_optimizer" not in quick(BenchConfig()).arms()

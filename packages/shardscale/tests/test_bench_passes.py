@@ -57,6 +57,7 @@ def _ours_post(
 
 
 def _count(recipe: str, opt_name: str) -> GradBytesCounter:
+    # recipe: "torch", "ours" (the defaults) or "ours_fuse_optimizer" (fuse_optimizer=True).
     params, opt = _model(opt_name)
     if recipe == "torch":
         scaler: object = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -64,7 +65,8 @@ def _count(recipe: str, opt_name: str) -> GradBytesCounter:
     else:
         from shardscale.core import ShardedGradScaler
 
-        scaler = ShardedGradScaler("cpu", init_scale=1024.0)
+        fold = recipe == "ours_fuse_optimizer"
+        scaler = ShardedGradScaler("cpu", init_scale=1024.0, fuse_optimizer=fold)
         post = _ours_post
     for _ in range(2):  # the second step is counted: Adam's moments exist by then
         opt.zero_grad(set_to_none=True)
@@ -88,9 +90,14 @@ HAND = {
     # the same three passes; fused Adam (no grad_scale after unscale_) reads the grad and
     # reads+writes the parameter and both moments.
     ("torch", "adam_fused"): (4, 2, 3, 3),
-    # statistics R; the foreach SGD's step runs through torch's fused kernel with grad_scale:
-    # it reads the grad and writes it back unscaled, reads+writes the parameter.
-    ("ours", "sgd"): (2, 1, 1, 1),
+    # statistics R, the multiply R+W (the default steps the foreach SGD as built); SGD reads
+    # the grad and reads+writes the parameter.
+    ("ours", "sgd"): (3, 1, 1, 1),
+    # statistics R; with fuse_optimizer=True the foreach SGD's step runs through torch's fused
+    # kernel with grad_scale: it reads the grad and writes it back unscaled, reads+writes the
+    # parameter.
+    ("ours_fuse_optimizer", "sgd"): (2, 1, 1, 1),
+    ("ours_fuse_optimizer", "adam_fused"): (2, 1, 3, 3),
     # statistics R; fused Adam with grad_scale reads the grad and writes it back unscaled.
     ("ours", "adam_fused"): (2, 1, 3, 3),
     # Every fused optimizer is the apply: no multiply pass, the kernel's write-back instead.
@@ -110,13 +117,19 @@ def test_floors_against_what_the_recipes_counted() -> None:
     # torch's floor is what torch's recipe does.
     for opt_name in ("sgd", "adam_fused"):
         assert floor_passes("torch", opt_name) == _passes(_count("torch", opt_name))
-    # Ours is one write above the floor with SGD and with fused Adam: torch's kernels write
-    # the unscaled gradient back (see [Note: the pass-count floor]).
-    assert _passes(_count("ours", "sgd")) == floor_passes("ours", "sgd") + KERNEL_WRITE_BACK == 5
+    # By default the foreach SGD steps as built: the multiply, at its floor (6 against 8).
+    assert _passes(_count("ours", "sgd")) == floor_passes("ours", "sgd") == 6
+    # Ours is one write above the floor wherever torch's kernel takes grad_scale (fused Adam;
+    # SGD with fuse_optimizer=True): it writes the unscaled gradient back (see [Note: the
+    # pass-count floor]).
+    fold = "ours_fuse_optimizer"
+    assert _passes(_count(fold, "sgd")) == floor_passes(fold, "sgd") + KERNEL_WRITE_BACK == 5
     assert _passes(_count("ours", "adam_fused")) == floor_passes("ours", "adam_fused") + 1 == 9
-    assert floor_passes("ours_streaming", "sgd") == 3
+    assert _passes(_count(fold, "adam_fused")) == floor_passes(fold, "adam_fused") + 1 == 9
+    assert floor_passes("ours_streaming", "sgd") == 5  # the default multiplies
     assert floor_passes("ours_streaming", "adam_fused") == 7
-    assert floor_ratio("ours", "sgd") == pytest.approx(4 / 8)
+    assert floor_ratio("ours", "sgd") == pytest.approx(6 / 8)
+    assert floor_ratio(fold, "sgd") == pytest.approx(4 / 8)
     assert floor_ratio("ours", "adam_fused") == pytest.approx(8 / 12)
     assert floor_passes("ours", "lion") is None and floor_passes("other", "sgd") is None
 

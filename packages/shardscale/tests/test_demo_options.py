@@ -62,7 +62,7 @@ CASES: list[Bad] = [
     ),
     Bad("sample-chars-negative", ("--sample-chars", "-1"), "--sample-chars", "--sample-chars 0"),
     Bad("mesh-empty", ("--mesh", ""), "--mesh", "'2x2'"),
-    Bad("mesh-garbage", ("--mesh", "3x"), "--mesh", "'2x2'"),
+    Bad("mesh-garbage", ("--mesh", "3x"), "--mesh", "'dp2xtp2'"),
     Bad(
         "mesh-1x3-for-2-ranks",
         ("--mesh", "1x3", "--world-size", "2"),
@@ -74,8 +74,11 @@ CASES: list[Bad] = [
     Bad(
         "mesh-tp-splits-heads", ("--mesh", "1x2", "--heads", "1"), "--mesh", "--heads 2", ("demo",)
     ),
-    Bad("mesh-pp-garbage", ("--mesh", "pp"), "--mesh", "'pp2,dp2'"),
-    Bad("mesh-pp-twice", ("--mesh", "pp2,pp2"), "--mesh", "'pp2'"),
+    Bad("mesh-pp-garbage", ("--mesh", "pp"), "--mesh", "'pp2xdp2'"),
+    Bad("mesh-pp-twice", ("--mesh", "pp2xpp2"), "--mesh", "written twice"),
+    Bad("mesh-old-comma-syntax", ("--mesh", "pp2,dp2"), "--mesh", "'pp2xdp2'"),
+    Bad("mesh-dp-outside-pp", ("--mesh", "dp2xpp2"), "--mesh", "'pp2xdp2'"),
+    Bad("mesh-expert-dim", ("--mesh", "ep2"), "--mesh", "'dp2xtp2'"),
     Bad(
         "mesh-pp-more-stages-than-blocks",
         ("--mesh", "pp4", "--layers", "2"),
@@ -184,7 +187,8 @@ def test_bad_option_is_one_line_status_2_and_nothing_created(
     assert code == 2, stdout + stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1, f"expected one line on stderr, got:\n{stderr}"
-    assert lines[0].startswith("error: "), lines[0]
+    prefix = "shardscale demo" if command == "demo" else "python -m shardscale.cli.train"
+    assert lines[0].startswith(f"{prefix}: error: "), lines[0]
     assert case.option in lines[0], lines[0]
     assert case.fix in lines[0], lines[0]
     assert not out.exists(), f"{out} was created before refusing"
@@ -253,8 +257,8 @@ def test_sizes_depend_on_the_device() -> None:
 
 @pytest.mark.parametrize(
     ("spec", "shape"),
-    [("4", (4, 1, 1)), ("2x2", (2, 2, 1)), ("pp2", (1, 1, 2)), ("pp2,dp2", (2, 1, 2)),
-     ("dp2,pp2", (2, 1, 2)), (" PP4 ", (1, 1, 4))],
+    [("4", (4, 1, 1)), ("2x2", (2, 2, 1)), ("pp2", (1, 1, 2)), ("pp2xdp2", (2, 1, 2)),
+     ("dp2xtp2", (2, 2, 1)), ("dp3", (3, 1, 1)), (" PP4 ", (1, 1, 4))],
 )  # fmt: skip
 def test_mesh_shapes_parse(spec: str, shape: tuple[int, int, int]) -> None:
     from shardscale.cli._distributed import mesh_shape
@@ -262,3 +266,4 @@ def test_mesh_shapes_parse(spec: str, shape: tuple[int, int, int]) -> None:
     got = mesh_shape(spec)
     assert (got.dp, got.tp, got.pp) == shape
     assert got.size == shape[0] * shape[1] * shape[2]
+    assert mesh_shape(str(got)) == got  # the demo's own spelling parses back

@@ -67,7 +67,7 @@ def test_parse_mesh() -> None:
     assert parse_mesh("4", 4) == MeshShape(4, 1)
     with pytest.raises(ValueError, match="needs 4 processes"):
         parse_mesh("2x2", 2)
-    with pytest.raises(ValueError, match="not a mesh shape"):
+    with pytest.raises(ValueError, match="'2y3' is not a dimension"):
         parse_mesh("2y3", 6)
 
 

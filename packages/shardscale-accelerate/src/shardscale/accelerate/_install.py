@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -204,6 +205,78 @@ def _clip_grad_norm_(
     return scaler.clip_grad_norm_(params, float(max_norm), float(norm_type))
 
 
+#: The accelerator's ``__dict__`` key of the first call's request (see ``_check_repeat``).
+_REQUEST = "_shardscale_request"
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What the first ``use_shardscale`` call on an accelerator was given."""
+
+    given_scaler: bool
+    options: dict[str, Any]
+
+
+def _same(a: object, b: object) -> bool:
+    if a is b:
+        return True
+    numbers = all(isinstance(x, int | float) and not isinstance(x, bool) for x in (a, b))
+    try:
+        return (numbers or type(a) is type(b)) and bool(a == b)  # 4096 is 2.0**12
+    except Exception:  # an option whose == is not a plain bool (a tensor, say): not the same
+        return False
+
+
+def _describe(options: dict[str, Any], keys: list[str]) -> str:
+    shown = [f"{k}={options[k]!r}" for k in keys if k in options]
+    return ", ".join(shown) if shown else "no such options"
+
+
+def _check_repeat(
+    first: _Request | None,
+    scaler: ShardedGradScaler | None,
+    options: dict[str, Any],
+    existing: ShardedGradScaler,
+) -> None:
+    """A repeated call returns the first call's scaler if it asks for nothing else; else raise.
+
+    The same scaler object, the same options (or none at all) are "the same
+    again"; another scaler or other options would be silently ignored, so they
+    are refused, naming what differs.
+    """
+    where = "accelerator.scaler (trainer.accelerator.scaler for a Trainer)"
+    if scaler is not None:
+        if scaler is existing:
+            return
+        raise RuntimeError(
+            "use_shardscale was already applied here, and this call passes another scaler; "
+            f"the one in use is {where}. Call it again with no arguments (or the same ones) "
+            "to get it back, or build a new Accelerator/Trainer for another scaler."
+        )
+    if not options:
+        return
+    if first is None or first.given_scaler:
+        raise RuntimeError(
+            "use_shardscale was already applied here with a scaler you built, and this call "
+            f"passes options ({', '.join(sorted(options))}); the scaler in use is {where}. "
+            "Call it again with no arguments to get it back."
+        )
+    keys = sorted(options.keys() | first.options.keys())
+    differ = [
+        k
+        for k in keys
+        if (k in options) != (k in first.options)
+        or (k in options and not _same(options[k], first.options[k]))
+    ]
+    if differ:
+        raise RuntimeError(
+            f"use_shardscale was already applied here with {_describe(first.options, differ)}; "
+            f"this call asks for {_describe(options, differ)}. The scaler in use is {where}, "
+            "and its options are set once: call it again with the same options (or none) to "
+            "get it back, or build a new Accelerator/Trainer for other options."
+        )
+
+
 def is_using_shardscale(accelerator: Accelerator) -> bool:
     """Whether :func:`use_shardscale` was applied to ``accelerator``."""
     return isinstance(accelerator.__dict__.get("scaler"), ShardedGradScaler) and isinstance(
@@ -251,11 +324,14 @@ def use_shardscale(
 
     Returns:
         The scaler, also at ``accelerator.scaler``. Read its scale without a
-        host sync through ``scaler.scale_tensor`` (``get_scale()`` syncs).
+        host sync through ``scaler.scale_tensor`` (``get_scale()`` syncs). A
+        second call with the same options (or none, or the same ``scaler``)
+        returns the same scaler.
 
     Raises:
         AccelerateContractError: the installed Accelerate changed what this relies on.
-        RuntimeError: ``accelerator.prepare`` already ran for an optimizer.
+        RuntimeError: ``accelerator.prepare`` already ran for an optimizer, or a
+            second call asks for other options or another scaler than the first.
         ValueError: the path is DeepSpeed, Megatron-LM or XLA.
     """
     if not isinstance(accelerator, Accelerator):
@@ -279,12 +355,8 @@ def use_shardscale(
             f"{reason}. Use it with DDP (multi-GPU/CPU), FSDP or a single process."
         )
     if is_using_shardscale(accelerator):
-        if scaler is not None or scaler_options:
-            raise RuntimeError(
-                "use_shardscale was already applied to this Accelerator; its scaler is "
-                "accelerator.scaler (pass options the first time only)."
-            )
         existing: ShardedGradScaler = accelerator.scaler
+        _check_repeat(accelerator.__dict__.get(_REQUEST), scaler, scaler_options, existing)
         return existing
     if accelerator._optimizers:
         raise RuntimeError(
@@ -292,6 +364,7 @@ def use_shardscale(
             f"{len(accelerator._optimizers)} optimizer(s) were already prepared with "
             "Accelerate's scaler. Call it right after Accelerator(...)."
         )
+    given = scaler is not None
     if scaler is None:
         options: dict[str, Any] = {}
         if accelerator.scaler_handler is not None:
@@ -302,6 +375,8 @@ def use_shardscale(
         options.setdefault("enabled", accelerator.mixed_precision == "fp16" or guard)
         scaler = ShardedGradScaler(accelerator.device.type, **options)
     accelerator.scaler = scaler
+    # What this call asked for, so a repeated call can tell "the same again" from a change.
+    accelerator.__dict__[_REQUEST] = _Request(given_scaler=given, options=dict(scaler_options))
     accelerator.__dict__["_shardscale_iteration"] = _Iteration(scaler, accelerator._optimizers)
     # Instance attributes shadow the class's methods for this accelerator only.
     accelerator.prepare_optimizer = types.MethodType(_prepare_optimizer, accelerator)  # type: ignore[method-assign]

@@ -13,9 +13,10 @@ and a non-finite flag over every local gradient go through ONE all-reduce, then
 * an optimizer with ``_step_supports_amp_scaling`` (fused Adam/AdamW/SGD)
   gets nothing multiplied: ``scaler.step()`` hands it grad_scale = s / coef
   and found_inf, and it divides inside its own kernel;
-* so does an unfused torch SGD/Adam/AdamW by default: ``scaler.step()`` runs
-  its step through torch's fused kernel ([Note: the apply folded into the
-  optimizer] in shardscale.core; ``fuse_optimizer=False`` multiplies instead).
+* so does an unfused torch SGD/Adam/AdamW when asked (``fuse_optimizer=True``,
+  on the scaler or per call): ``scaler.step()`` runs its step through torch's
+  fused kernel ([Note: the apply folded into the optimizer] in
+  shardscale.core). By default (False) it is multiplied like any other.
 
 On overflow (any non-finite gradient on any rank, counted or not) coef is 1,
 so the gradients end as torch's unscale_ leaves them, the optimizer skips the
@@ -72,9 +73,9 @@ def unscale_and_clip_(
     Call it once per optimizer per iteration, after backward and before
     ``scaler.step(optimizer)``. After it, gradients of a fused optimizer are
     still scaled, and so are those of a torch SGD/Adam/AdamW whose step the
-    scaler runs through torch's fused kernel (``fuse_optimizer``); read the
-    returned norm rather than the gradients, or pass ``fuse_optimizer=False``
-    where code reads them before the step.
+    scaler runs through torch's fused kernel (``fuse_optimizer=True``); read
+    the returned norm rather than the gradients then. The default multiplies
+    them now, as torch's recipe leaves them.
 
     Args:
         scaler: a :class:`shardscale.core.ShardedGradScaler` (its process group,
@@ -88,10 +89,12 @@ def unscale_and_clip_(
             gradient in a post-accumulate-grad hook during backward, so only
             the collective and the multiply remain here (see
             [Note: streaming statistics]; docs/fused-step.md says when it pays).
-        fuse_optimizer: leave an unfused torch SGD/Adam/AdamW's gradients
-            scaled and its step to torch's fused kernel (``True``: raise on
-            every rank when it cannot), or multiply them now (``False``);
-            ``None``: the scaler's ``fuse_optimizer``.
+        fuse_optimizer: ``True``: leave an unfused torch SGD/Adam/AdamW's
+            gradients scaled and its step to torch's fused kernel (the
+            sync-free path; raising on every rank when it cannot; a step
+            with step hooks registered multiplies instead); ``False``:
+            multiply them now; ``None`` (default): the scaler's
+            ``fuse_optimizer``, itself False by default.
 
     Returns:
         The true (unscaled) global norm as a 0-dim tensor on the scale's device

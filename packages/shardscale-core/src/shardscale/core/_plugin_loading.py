@@ -49,6 +49,7 @@ import re
 import sys
 import threading
 from dataclasses import dataclass, field
+from typing import TextIO
 
 import pluggy
 
@@ -187,10 +188,17 @@ class _ImportTimeout(Exception):
     """An entry point's import did not return within the time limit."""
 
 
-def _load(ep: md.EntryPoint, timeout: float | None) -> object:
+#: Seconds of waiting on one import (with a limit) before the loader says which one it waits for.
+_WAIT_NOTICE_S = 3.0
+
+
+def _load(
+    ep: md.EntryPoint, timeout: float | None, dist: str = "", notice: TextIO | None = None
+) -> object:
     """``ep.load()``, in a daemon thread waited for ``timeout`` seconds when one is given.
 
     See [Note: a time limit on import]; whatever the import raises is raised here.
+    After ``_WAIT_NOTICE_S`` seconds one line on ``notice`` names the plugin waited for.
     """
     if timeout is None:
         return ep.load()
@@ -204,7 +212,13 @@ def _load(ep: md.EntryPoint, timeout: float | None) -> object:
 
     thread = threading.Thread(target=target, name=f"shardscale-import-{ep.name}", daemon=True)
     thread.start()
-    thread.join(timeout)
+    thread.join(min(timeout, _WAIT_NOTICE_S))
+    if not outcome and timeout > _WAIT_NOTICE_S:
+        if notice is not None:
+            source = f" from {dist}" if dist else ""
+            print(f"shardscale: waiting for plugin {ep.name!r}{source} to import ({ep.value}); "
+                  f"it is given up after {timeout:g} s", file=notice, flush=True)  # fmt: skip
+        thread.join(timeout - _WAIT_NOTICE_S)
     if not outcome:
         raise _ImportTimeout(
             f"importing {ep.value} did not return within {timeout:g} s (it may wait for a "
@@ -217,9 +231,12 @@ def _load(ep: md.EntryPoint, timeout: float | None) -> object:
     return value
 
 
-def _import(ep: md.EntryPoint, timeout: float | None = None) -> tuple[object | None, str]:
+def _import(
+    ep: md.EntryPoint, timeout: float | None = None, dist: str = ""
+) -> tuple[object | None, str]:
     """Import one entry point; return (plugin, "") or (None, a one-line error)."""
     out, err = io.StringIO(), io.StringIO()
+    notice = sys.stderr  # the caller's, before the import's output is captured
 
     def replay() -> None:
         sys.stdout.write(out.getvalue())
@@ -227,7 +244,7 @@ def _import(ep: md.EntryPoint, timeout: float | None = None) -> tuple[object | N
 
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            plugin = _load(ep, timeout)
+            plugin = _load(ep, timeout, dist, notice)
     except KeyboardInterrupt:  # the user's Ctrl-C: see [Note: isolation at load]
         replay()
         raise
@@ -278,8 +295,12 @@ def load_plugins(
     registered (unless blocked). ``import_timeout``: seconds each entry point's
     import may take (see [Note: a time limit on import]); ``None``: no limit.
     """
-    if import_timeout is not None and not import_timeout > 0:
-        raise ValueError(f"import_timeout must be a number of seconds > 0, got {import_timeout!r}")
+    if import_timeout is not None and not 0 < import_timeout <= threading.TIMEOUT_MAX:
+        # Above TIMEOUT_MAX every thread join would raise OverflowError, failing every plugin.
+        raise ValueError(
+            f"import_timeout must be a number of seconds > 0 and <= {threading.TIMEOUT_MAX:g}, "
+            f"got {import_timeout!r}"
+        )
     tokens = disable_tokens()
     result = LoadResult()
     used: set[str] = set()
@@ -313,7 +334,7 @@ def load_plugins(
             continue
         chosen += _settle_shared_name(name, candidates, result)
     for ep, dist, version in chosen:
-        plugin, error = _import(ep, import_timeout)
+        plugin, error = _import(ep, import_timeout, dist)
         if plugin is None:
             result.failures.append(
                 LoadFailure(ep.name, dist, version, error, fix=failure_fix(ep.name, dist))

@@ -68,7 +68,7 @@ def use_shardscale(
 ) -> ShardedGradScaler:
     """Make ``trainer`` scale, clip and skip through shardscale.
 
-    Call it once, after building the Trainer and before ``trainer.train()``::
+    Call it after building the Trainer and before ``trainer.train()``::
 
         trainer = Trainer(model=model, args=TrainingArguments(..., fp16=True), ...)
         use_shardscale(trainer)          # the one added line
@@ -92,12 +92,14 @@ def use_shardscale(
             (``init_scale``, ``growth_interval``, ``backend``, ...).
 
     Returns:
-        The scaler, also at ``trainer.accelerator.scaler``.
+        The scaler, also at ``trainer.accelerator.scaler``. A second call with the
+        same options (or none, or the same ``scaler``) returns the same scaler.
 
     Raises:
         TransformersContractError: the installed transformers changed what this relies on.
         AccelerateContractError: the installed Accelerate did.
-        RuntimeError: the Trainer already trained (its optimizer was prepared).
+        RuntimeError: the Trainer already trained (its optimizer was prepared), or a
+            second call asks for other options or another scaler than the first.
         ValueError: the Trainer runs on DeepSpeed, Megatron-LM or XLA, or SageMaker MP.
     """
     if not isinstance(trainer, Trainer):
@@ -114,13 +116,9 @@ def use_shardscale(
             "scales and clips itself. Use it with DDP, FSDP or a single process."
         )
     if is_using_shardscale(trainer):
-        if scaler is not None or scaler_options:
-            raise RuntimeError(
-                "use_shardscale was already applied to this Trainer; its scaler is "
-                "trainer.accelerator.scaler (pass options the first time only)."
-            )
-        existing: ShardedGradScaler = trainer.accelerator.scaler
-        return existing
+        # A repeat: the same scaler back when asking for the same (or nothing), an error
+        # naming what differs otherwise (the accelerator remembers the first call).
+        return _use_shardscale_on_accelerator(trainer.accelerator, scaler=scaler, **scaler_options)
     if getattr(trainer.accelerator, "_optimizers", None):  # (its absence: Accelerate's check)
         raise RuntimeError(
             "use_shardscale(trainer) must run before trainer.train(): this Trainer already "

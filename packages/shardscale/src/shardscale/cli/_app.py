@@ -1,4 +1,4 @@
-"""The ``shardscale`` command line: ``demo``, ``bench``, ``plugins``, ``doctor``."""
+"""The ``shardscale`` command line: ``demo``, ``bench``, ``plugins``, ``doctor``, ``env``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     from shardscale.cli._cmdline import CommandParser
     from shardscale.cli._demo import add_demo_parser
     from shardscale.cli._doctor import add_doctor_parser
+    from shardscale.cli._env import add_env_parser
     from shardscale.cli._plugins_cmd import add_plugins_parser
 
     parser = CommandParser(
@@ -31,11 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
         "'shardscale demo'.",
     )
     parser.add_argument("--version", action="version", version=f"shardscale {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
+    sub = parser.add_subparsers(
+        title="commands", dest="command", metavar="COMMAND", parser_class=CommandParser
+    )
     add_demo_parser(sub)
     add_bench_parser(sub)
     add_plugins_parser(sub)
     add_doctor_parser(sub)
+    add_env_parser(sub)
     return parser
 
 

@@ -127,7 +127,7 @@ def bounded_float(
     low: float, high: float, *, unit: str = "", example: str = ""
 ) -> Callable[[str], float]:
     """``type=`` for a number in ``[low, high]``; the refusal names the range and an example."""
-    unit_text = f" {unit}" if unit else ""
+    unit_text = f" of {unit}" if unit else ""
 
     def parse(text: str) -> float:
         try:

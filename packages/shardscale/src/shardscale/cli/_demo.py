@@ -37,9 +37,11 @@ DEFAULT_TIMEOUT_S = 300.0
 
 def add_demo_parser(sub: Any) -> argparse.ArgumentParser:
     """Register the ``demo`` subcommand."""
+    from shardscale.cli._cmdline import add_command
     from shardscale.cli.train import add_training_options
 
-    p: argparse.ArgumentParser = sub.add_parser(
+    p = add_command(
+        sub,
         "demo",
         help="train a small transformer on 2 local processes and plot it",
         description="Train a small decoder-only transformer on Shakespeare's Sonnets, "
@@ -51,6 +53,7 @@ def add_demo_parser(sub: Any) -> argparse.ArgumentParser:
         "--world-size",
         type=int,
         default=None,
+        metavar="N",
         help="number of processes (default 2, or the size --mesh asks for)",
     )
     add_training_options(p)
@@ -58,6 +61,7 @@ def add_demo_parser(sub: Any) -> argparse.ArgumentParser:
         "--timeout",
         type=float,
         default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
         help=f"stop every rank after this many seconds (default {DEFAULT_TIMEOUT_S:.0f})",
     )
     p.add_argument(
@@ -150,6 +154,7 @@ def run_demo(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
     Every option is checked before the output folder is touched or a process
     starts (see [Note: refuse before acting] in ``_options``).
     """
+    from shardscale.cli._cmdline import command_error
     from shardscale.cli._distributed import free_port
     from shardscale.cli._options import check_timeout, prepare_out
     from shardscale.cli._ui import UI_EXTRA_HINT, have_matplotlib, have_rich
@@ -165,8 +170,7 @@ def run_demo(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
         check_timeout(args.timeout)
         prepare_out(out, logs=True)  # the first change on disk, after every check
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return command_error(args, str(exc))
     logs = out / LOGS_DIR
     logs.mkdir(exist_ok=True)
     use_rich = have_rich() and not args.plain and out_stream.isatty()
@@ -248,13 +252,13 @@ def _follow(
                 view.close()
                 rank, code = failed
                 log = logs / f"rank{rank}.log"
-                print(f"error: rank {rank} exited with status {code}; last lines of {log}:\n"
+                print(f"shardscale demo: error: rank {rank} exited with status {code}; last lines of {log}:\n"
                       f"{_tail(log)}", file=sys.stderr)  # fmt: skip
                 return 1
             statuses = read_rank_status(logs, len(procs))
             if time.monotonic() > deadline:
                 view.close()
-                print(f"error: the demo did not finish in {args.timeout:g} s (--timeout) "
+                print(f"shardscale demo: error: the demo did not finish in {args.timeout:g} s (--timeout) "
                       f"[{describe_every_rank(statuses)}]; stopped every rank (logs: {logs}); "
                       f"{_timeout_hint(args, cfg)}", file=sys.stderr)  # fmt: skip
                 return 1
@@ -275,7 +279,10 @@ def _follow(
                                 skipped_total=event["skipped_total"])  # fmt: skip
     metrics = out / METRICS_FILE
     if not metrics.exists():
-        print(f"error: training finished without writing {metrics}; see {logs}", file=sys.stderr)
+        print(
+            f"shardscale demo: error: training finished without writing {metrics}; see {logs}",
+            file=sys.stderr,
+        )
         return 1
     render_report(json.loads(metrics.read_text(encoding="utf-8")), out, stream=out_stream)
     return 0

@@ -50,8 +50,9 @@ class MeshShape:
         return self.pp * self.dp * self.tp
 
     def __str__(self) -> str:
+        """The mesh in ``--mesh`` syntax: ``pp2xdp2``, ``2x2`` or ``4``."""
         if self.pp > 1:
-            return f"pp{self.pp}" + (f",dp{self.dp}" if self.dp > 1 else "")
+            return f"pp{self.pp}" + (f"xdp{self.dp}" if self.dp > 1 else "")
         return f"{self.dp}x{self.tp}" if self.tp > 1 else str(self.dp)
 
 
@@ -83,39 +84,23 @@ class DistContext:
         return self.rank == 0
 
 
-_MESH_HELP = (
-    "write DP (e.g. '2') for FSDP only, DPxTP (e.g. '2x2') for FSDP over DP ranks with tensor "
-    "parallelism over TP ranks, or ppN[,dpM] (e.g. 'pp2' or 'pp2,dp2') for N pipeline stages, "
-    "each FSDP-sharded over M ranks"
-)
-
-
 def mesh_shape(spec: str) -> MeshShape:
-    """Parse ``"2x2"`` (FSDP 2 x TP 2), ``"4"`` (FSDP 4) or ``"pp2,dp2"`` (2 stages x FSDP 2).
+    """Parse ``"2x2"`` (FSDP 2 x TP 2), ``"4"`` (FSDP 4) or ``"pp2xdp2"`` (2 stages x FSDP 2).
 
-    Not checked against a world size (see :func:`parse_mesh`).
+    The grammar is :mod:`shardscale.cli._mesh_spec`'s; the demo lays out ``dp``,
+    ``dp x tp`` and ``pp x dp`` (stages outermost). Not checked against a world
+    size (see :func:`parse_mesh`). Raises ``ValueError`` naming the problem.
     """
-    text = spec.strip().lower().replace(" ", "")
-    if text.startswith(("pp", "dp")):
-        return _named_mesh(spec, text)
-    parts = text.replace("*", "x").split("x")
-    try:
-        sizes = [int(p) for p in parts]
-    except ValueError:
-        sizes = []
-    if len(sizes) not in (1, 2) or any(s < 1 for s in sizes):
-        raise ValueError(f"--mesh {spec!r} is not a mesh shape: {_MESH_HELP}")
-    return MeshShape(*sizes)
+    from shardscale.cli._mesh_spec import parse_mesh_spec
 
-
-def _named_mesh(spec: str, text: str) -> MeshShape:
-    sizes: dict[str, int] = {}
-    for part in text.split(","):
-        name, digits = part[:2], part[2:]
-        if name not in ("pp", "dp") or not digits.isdigit() or int(digits) < 1 or name in sizes:
-            raise ValueError(f"--mesh {spec!r} is not a mesh shape: {_MESH_HELP}")
-        sizes[name] = int(digits)
-    return MeshShape(dp=sizes.get("dp", 1), pp=sizes.get("pp", 1))
+    mesh = parse_mesh_spec(spec, option="--mesh")
+    if mesh.names not in (("dp",), ("dp", "tp"), ("pp",), ("pp", "dp")):
+        raise ValueError(
+            f"--mesh {spec!r} ({mesh}): the demo runs FSDP ('dp4'), FSDP x tensor parallel "
+            "('dp2xtp2', or '2x2') or pipeline stages x FSDP, stages outermost ('pp2' or "
+            "'pp2xdp2'); write one of those"
+        )
+    return MeshShape(dp=mesh.get("dp"), tp=mesh.get("tp"), pp=mesh.get("pp"))
 
 
 def parse_mesh(spec: str | None, world_size: int) -> MeshShape:

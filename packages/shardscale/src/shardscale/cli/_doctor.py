@@ -44,14 +44,19 @@ class Finding:
 
 def add_doctor_parser(sub: Any) -> argparse.ArgumentParser:
     """Register the ``doctor`` subcommand."""
-    p: argparse.ArgumentParser = sub.add_parser(
+    from shardscale.cli._cmdline import add_command, add_json_option
+
+    p = add_command(
+        sub,
         "doctor",
         help="check torch, CUDA/NCCL, the launch environment and plugins",
         description="Check the environment: torch version and build, CUDA and NCCL, the "
         "torchrun variables and process group (when launched under torchrun), and plugins "
-        "that failed to load. Prints what to fix; exits 1 when something is broken.",
+        "that failed to load. Prints what to fix; exits 1 when something is broken. "
+        "'shardscale env' prints the environment to paste into an issue (--json here holds "
+        "it too).",
     )
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_json_option(p, what="the findings and the environment")
     p.add_argument("--connect", action="store_true",
                    help="under torchrun: join the process group and all-reduce through the "
                    "shardscale backend to prove the ranks can talk")  # fmt: skip
@@ -573,6 +578,8 @@ def run_checks(*, connect: bool = False, backend: str | None = None) -> list[Fin
 
 
 _MARK = {"ok": "ok", "info": "--", "warn": "!!", "error": "XX"}
+#: Each status's colour on a terminal (see ``print_table``'s ``styles``).
+_STYLE = {"ok": "green", "info": "dim", "warn": "yellow", "error": "red"}
 
 
 def run_doctor(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
@@ -584,11 +591,18 @@ def run_doctor(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
     findings = run_checks(connect=args.connect, backend=args.backend)
     broken = any(f.status == "error" for f in findings)
     if args.json:
-        print(json.dumps({"ok": not broken, "findings": [asdict(f) for f in findings]}, indent=2),
-              file=out)  # fmt: skip
+        from shardscale.cli._env import collect_environment
+
+        data = {
+            "ok": not broken,
+            "findings": [asdict(f) for f in findings],
+            "environment": collect_environment(),
+        }
+        print(json.dumps(data, indent=2), file=out)
         return 1 if broken else 0
     rows = [(f"[{_MARK[f.status]}] {f.check}", f.detail) for f in findings]
-    print_table("shardscale doctor", rows, headers=("check", "finding"), stream=out)
+    styles = [_STYLE[f.status] for f in findings]
+    print_table("shardscale doctor", rows, headers=("check", "finding"), stream=out, styles=styles)
     fixes = [f for f in findings if f.fix and f.status in ("warn", "error")]
     if fixes:
         print("\nwhat to fix:", file=out)

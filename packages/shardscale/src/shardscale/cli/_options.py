@@ -43,8 +43,8 @@ def check_mesh(spec: str | None, world_size: int, cfg: TrainConfig) -> MeshShape
     """The mesh fits the world size and tensor parallelism splits whole heads."""
     if spec is not None and not spec.strip():
         raise ValueError(
-            "--mesh is empty: write DP (e.g. '2'), DPxTP (e.g. '2x2') or ppN[,dpM] (e.g. "
-            "'pp2'), or leave --mesh out for FSDP over every rank"
+            "--mesh is empty: write e.g. '2' (FSDP), '2x2' (FSDP x tensor parallel) or "
+            "'pp2xdp2' (pipeline stages x FSDP), or leave --mesh out for FSDP over every rank"
         )
     shape = parse_mesh(spec, world_size)
     if shape.pp > 1 and cfg.n_layers < shape.pp:

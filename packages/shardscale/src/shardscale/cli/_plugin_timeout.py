@@ -8,35 +8,34 @@ hang (see [Note: a time limit on import] in ``shardscale.core._plugin_loading``)
 from __future__ import annotations
 
 import argparse
-import math
 
-__all__ = ["DEFAULT_PLUGIN_TIMEOUT", "add_plugin_timeout_option", "load_plugins_with_limit"]
+__all__ = [
+    "DEFAULT_PLUGIN_TIMEOUT",
+    "PLUGIN_TIMEOUT_RANGE",
+    "add_plugin_timeout_option",
+    "load_plugins_with_limit",
+]
 
 #: Seconds one plugin's import may take; generous next to a cold import of a framework.
 DEFAULT_PLUGIN_TIMEOUT = 60.0
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(
-            f"must be a finite number of seconds > 0, got {text!r}; e.g. --plugin-timeout 60"
-        )
-    return value
+#: The range ``--plugin-timeout`` accepts: a tenth of a second to an hour. Past an hour a
+#: report command is hung in all but name; far past it the wait overflows the thread join.
+PLUGIN_TIMEOUT_RANGE = (0.1, 3600.0)
 
 
 def add_plugin_timeout_option(parser: argparse.ArgumentParser) -> None:
     """Add ``--plugin-timeout SECONDS`` to a command's parser."""
+    from shardscale.cli._cmdline import bounded_float
+
+    low, high = PLUGIN_TIMEOUT_RANGE
     parser.add_argument(
         "--plugin-timeout",
-        type=_seconds,
+        type=bounded_float(low, high, unit="seconds", example="--plugin-timeout 60"),
         default=DEFAULT_PLUGIN_TIMEOUT,
         metavar="SECONDS",
         help="how long each plugin's import may take before it is reported as not returning "
-        f"(default {DEFAULT_PLUGIN_TIMEOUT:g})",
+        f"(default {DEFAULT_PLUGIN_TIMEOUT:g}; {low:g} to {high:g}); a plugin still importing "
+        "after a few seconds is named on stderr",
     )
 
 

@@ -17,14 +17,17 @@ _PLURAL = {"backend": "backends", "middleware": "middleware", "adapter": "adapte
 
 def add_plugins_parser(sub: Any) -> argparse.ArgumentParser:
     """Register the ``plugins`` subcommand."""
-    p: argparse.ArgumentParser = sub.add_parser(
+    from shardscale.cli._cmdline import add_command, add_json_option
+
+    p = add_command(
+        sub,
         "plugins",
         help="list registered plugins and whether they are usable here",
         description="List every backend, middleware, grad adapter and stats kernels that "
         "installed plugins provide, with their distribution and version, whether each can run "
         "on this machine (and why not), and plugins that failed to load.",
     )
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_json_option(p, what="the listing")
     add_plugin_timeout_option(p)
     p.set_defaults(func=run_plugins)
     return p

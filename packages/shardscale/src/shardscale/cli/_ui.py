@@ -1,6 +1,6 @@
 """Terminal output: a live progress bar and a summary table, with rich when it is installed.
 
-rich and matplotlib are the optional ``ui`` extra (``pip install 'shardscale[ui]'``);
+rich and matplotlib are the optional ``ui`` extra (``pip install 'rich>=13' 'matplotlib>=3.7'``);
 without them everything still works, in plain text and without the plot.
 """
 
@@ -22,7 +22,8 @@ __all__ = [
     "print_table",
 ]
 
-UI_EXTRA_HINT = "pip install 'shardscale[ui]'"
+#: How to get the ui extra's libraries, from a clone or an installed shardscale alike.
+UI_EXTRA_HINT = "pip install 'rich>=13' 'matplotlib>=3.7'"
 
 
 def have_rich() -> bool:
@@ -166,11 +167,18 @@ def print_table(
     stream: TextIO | None = None,
     use_rich: bool | None = None,
     right: Sequence[int] = (),
+    styles: Sequence[str] = (),
 ) -> None:
-    """Print a small table: a rich Table when rich is there, aligned text otherwise."""
+    """Print a small table: a rich Table when rich is there, aligned text otherwise.
+
+    ``styles`` gives each row's first cell a colour (``green``, ``yellow``, ``red``,
+    ``dim`` or ``""``), shown only on a terminal: rich's, else ANSI. Piped lines
+    carry no colour and no padding after their last cell.
+    """
     out = stream if stream is not None else sys.stdout
     # Piped or captured output stays plain text, so scripts can grep it.
-    rich_ok = (have_rich() and _isatty(out)) if use_rich is None else use_rich
+    tty = _isatty(out)
+    rich_ok = (have_rich() and tty) if use_rich is None else use_rich
     if rich_ok:
         from rich.console import Console
         from rich.markup import escape
@@ -179,18 +187,29 @@ def print_table(
         table = Table(title=title, show_header=any(headers))
         for i, header in enumerate(headers):
             table.add_column(header, justify="right" if i in right else "left", overflow="fold")
-        for row in rows:
-            table.add_row(*(escape(str(c)) for c in row))  # cells are data, not markup
+        for i, row in enumerate(rows):
+            cells = [escape(str(c)) for c in row]  # cells are data, not markup
+            if i < len(styles) and styles[i] and cells:
+                cells[0] = f"[{styles[i]}]{cells[0]}[/]"
+            table.add_row(*cells)
         Console(file=out).print(table)
         return
     widths = [max(len(str(r[i])) for r in [tuple(headers), *rows]) for i in range(len(headers))]
     print(title, file=out)
     if any(headers):
-        print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)), file=out)
-    for row in rows:
+        heads = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
+        print(heads.rstrip(), file=out)
+    for n, row in enumerate(rows):
         cells = [
             str(c).rjust(w) if i in right else str(c).ljust(w)
             for i, (c, w) in enumerate(zip(row, widths, strict=True))
         ]
-        print("  ".join(cells), file=out)
+        style = styles[n] if n < len(styles) else ""
+        if tty and style in _ANSI and cells:
+            cells[0] = f"{_ANSI[style]}{cells[0]}\x1b[0m"
+        print("  ".join(cells).rstrip(), file=out)
     out.flush()
+
+
+#: The colours of ``print_table(styles=...)`` as ANSI codes, for terminals without rich.
+_ANSI = {"green": "\x1b[32m", "yellow": "\x1b[33m", "red": "\x1b[31m", "dim": "\x1b[2m"}

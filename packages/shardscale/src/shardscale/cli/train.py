@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -31,7 +32,14 @@ import torch
 
 from shardscale.cli._trainer import TrainConfig, size_defaults
 
-__all__ = ["EVENT_PREFIX", "build_parser", "check_args", "config_from_args", "main"]
+__all__ = [
+    "EVENT_PREFIX",
+    "build_parser",
+    "check_args",
+    "config_from_args",
+    "main",
+    "scale_text",
+]
 
 #: Lines on rank 0's stdout starting with this carry JSON events for ``shardscale demo``.
 EVENT_PREFIX = "@@shardscale-event "
@@ -44,7 +52,9 @@ def _default_device() -> str:
 
 def build_parser(prog: str = "python -m shardscale.cli.train") -> argparse.ArgumentParser:
     """Options of the training script (``shardscale demo`` adds --world-size on top)."""
-    p = argparse.ArgumentParser(
+    from shardscale.cli._cmdline import CommandParser
+
+    p = CommandParser(
         prog=prog,
         description="Train a small character-level transformer on Shakespeare's Sonnets with "
         "FSDP2, autocast, ShardedGradScaler and unscale_and_clip_.",
@@ -71,6 +81,14 @@ def _sized(field: str) -> str:
     return f"default {cpu} on CPU, {cuda} with CUDA"
 
 
+def scale_text(value: float) -> str:
+    """A loss scale as people write it: ``2**16 = 65536`` for powers of two, else ``%g``."""
+    mantissa, exponent = math.frexp(value)
+    if value > 0 and mantissa == 0.5 and exponent - 1 >= 4:
+        return f"2**{exponent - 1} = {int(value)}"
+    return f"{value:g}"
+
+
 def add_training_options(p: argparse.ArgumentParser) -> None:
     """The options shared by the script and ``shardscale demo``.
 
@@ -78,7 +96,9 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     the device (see [Note: the demo's size] in ``_trainer``).
     """
     d = TrainConfig()
-    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps ({_sized('steps')})")
+    p.add_argument(
+        "--steps", type=int, default=None, metavar="N", help=f"optimizer steps ({_sized('steps')})"
+    )
     p.add_argument(
         "--precision",
         choices=["fp16", "bf16"],
@@ -102,13 +122,15 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         "--mesh",
         default=None,
         metavar="MESH",
-        help="'2x2' = FSDP over 2 ranks x tensor parallel over 2; 'pp2' or 'pp2,dp2' = 2 "
-        "pipeline stages (each FSDP over 2 ranks) (default: FSDP over all)",
+        help="'2x2' (= 'dp2xtp2') = FSDP over 2 ranks x tensor parallel over 2; 'pp2xdp2' = 2 "
+        "pipeline stages, each FSDP over 2 ranks; 'pp2' = 2 stages (default: FSDP over all "
+        "ranks). The grammar: dims joined by 'x', each [dp|tp|pp]N, outermost first",
     )
     p.add_argument(
         "--out",
         type=Path,
         default=Path(DEFAULT_OUT),
+        metavar="DIR",
         help=f"folder for metrics.json, training.png, result-rank*.json (default ./{DEFAULT_OUT}); "
         "a re-used folder has those files replaced, never mixed",
     )
@@ -116,36 +138,60 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         "--batch-size",
         type=int,
         default=None,
+        metavar="N",
         help=f"sequences per rank per step ({_sized('batch_size')})",
     )
     p.add_argument(
-        "--context", type=int, default=None, help=f"characters per sequence ({_sized('context')})"
+        "--context",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"characters per sequence ({_sized('context')})",
     )
-    p.add_argument("--d-model", type=int, default=None, help=f"model width ({_sized('d_model')})")
     p.add_argument(
-        "--layers", type=int, default=None, help=f"transformer blocks ({_sized('n_layers')})"
+        "--d-model", type=int, default=None, metavar="N", help=f"model width ({_sized('d_model')})"
     )
-    p.add_argument("--heads", type=int, default=None, help=f"attention heads ({_sized('n_heads')})")
     p.add_argument(
-        "--lr", type=float, default=d.lr, help=f"peak learning rate, AdamW (default {d.lr:g})"
+        "--layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"transformer blocks ({_sized('n_layers')})",
+    )
+    p.add_argument(
+        "--heads",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"attention heads ({_sized('n_heads')})",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=d.lr,
+        metavar="X",
+        help=f"peak learning rate, AdamW (default {d.lr:g})",
     )
     p.add_argument(
         "--max-norm",
         type=float,
         default=d.max_norm,
+        metavar="X",
         help=f"gradient clipping threshold (default {d.max_norm:g}; inf: never clip)",
     )
     p.add_argument(
         "--growth-interval",
         type=int,
         default=d.growth_interval,
+        metavar="N",
         help=f"clean steps before the loss scale doubles (default {d.growth_interval})",
     )
     p.add_argument(
         "--init-scale",
         type=float,
         default=d.init_scale,
-        help=f"initial loss scale (default {d.init_scale:g}: high on purpose, the first "
+        metavar="X",
+        help=f"initial loss scale (default {scale_text(d.init_scale)}: high on purpose, the first "
         "fp16 steps overflow and back it off)",
     )
     p.add_argument(
@@ -169,11 +215,18 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="stop every rank after N skipped steps in a row (default 0: never)",
     )
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help=f"seed of the initial weights, the batches and the sample (default {d.seed}); "
+        "the same seed and options repeat a run",
+    )
     p.add_argument(
         "--sample-chars",
         type=int,
         default=d.sample_chars,
+        metavar="N",
         help=f"characters to generate after training (default {d.sample_chars}; 0: none)",
     )
 
@@ -263,7 +316,8 @@ def _launch_world_size() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the training script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     device = args.device or _default_device()
     try:
         cfg = check_args(args, device=device, world_size=_launch_world_size())
@@ -274,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # others write theirs only after training, which needs rank 0.
             prepare_out(args.out, logs=False)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
     # torchrun sets OMP_NUM_THREADS=1 for several processes; keep the cores split when run otherwise.
     if "OMP_NUM_THREADS" not in os.environ and device == "cpu":
@@ -303,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         ctx = init_distributed(device=device, mesh=args.mesh)
     except (RuntimeError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
     status.update("building the model")
     out_dir: Path = args.out

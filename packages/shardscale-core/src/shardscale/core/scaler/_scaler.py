@@ -38,10 +38,11 @@ from shardscale.core._errors import DeclarationError
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, StepRecord
 from shardscale.core._registry import Registry, get_registry
 from shardscale.core.scaler._optimizer_fusion import (
-    FIRST_MOMENTUM_STEP,
+    PASSING,
+    FusionChecks,
     fused_kernel_step,
-    fusion_refusal,
-    runs_on_local_shards,
+    step_hooks,
+    unfold_gradients_,
 )
 from shardscale.core.scaler._overflow import OverflowReport, build_overflow_report
 from shardscale.core.scaler._values import (
@@ -198,10 +199,24 @@ def _strongest(flags: list[torch.Tensor]) -> torch.Tensor:
     return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
 
 
-def _bad_fuse_option(value: object) -> TypeError | None:
-    """The error for a ``fuse_optimizer`` that is not None, True or False (1 and 0 included)."""
-    if value is None or isinstance(value, bool):
+def _bad_fuse_option(value: object, *, per_call: bool = True) -> TypeError | None:
+    """The error for a ``fuse_optimizer`` that is not True or False (1 and 0 included).
+
+    Per call, ``None`` means the scaler's choice; the scaler's own option no
+    longer takes it (it meant "fold after unscale_and_clip_ only").
+    """
+    if isinstance(value, bool) or (per_call and value is None):
         return None
+    if value is None:
+        return TypeError(
+            "ShardedGradScaler(fuse_optimizer=None) is gone: None folded the apply into torch's "
+            "fused kernel after unscale_and_clip_ by default. The default is now False, which "
+            "steps exactly the optimizer you built (torch's numbers); pass fuse_optimizer=True "
+            "for the sync-free path through torch's fused kernel, or build the optimizer with "
+            "fused=True"
+        )
+    if not per_call:
+        return TypeError(f"fuse_optimizer must be True or False, got {value!r}")
     return TypeError(f"fuse_optimizer must be None, True or False, got {value!r}")
 
 
@@ -255,21 +270,21 @@ class ShardedGradScaler:
         check_loss: ``scale(loss)`` also records whether the loss is finite;
             a non-finite loss on any rank skips the step on every rank (see
             :meth:`observe_loss`).
-        fuse_optimizer: run an unfused torch SGD/Adam/AdamW step through
-            torch's fused kernel, which takes the unscale and clip factor
-            (``grad_scale``) and the skip (``found_inf``) inside its own pass:
-            one gradient pass and the unfused step's host sync fewer
-            (docs/step-engine.md, "the apply folded into the optimizer").
-            ``None`` (default): after ``unscale_(optimizer, max_norm=...)`` /
-            ``unscale_and_clip_`` whenever the optimizer qualifies (that path
-            already differs from torch's recipe at rounding level), never on
-            a plain ``step``, which keeps torch's exact numbers; ``True``: on
-            every step, raising on every rank, naming why, when the optimizer
-            does not qualify; ``False``: never. The result differs from the
-            foreach step at rounding level only. The gradients then stay
-            scaled between ``unscale_and_clip_`` and ``step`` (as for a fused
+        fuse_optimizer: ``False`` (default): step exactly the optimizer the
+            user built. ``True`` (the sync-free path): run an unfused torch
+            SGD/Adam/AdamW step through torch's fused kernel, which takes the
+            unscale and clip factor (``grad_scale``) and the skip
+            (``found_inf``) inside its own pass: one gradient pass and the
+            unfused step's host sync fewer (docs/step-engine.md, "the apply
+            folded into the optimizer"); raising on every rank, naming why,
+            when the optimizer does not qualify. The result differs from the
+            foreach step at rounding level. The gradients then stay scaled
+            between ``unscale_and_clip_`` and ``step`` (as for a fused
             optimizer); the kernel writes them back unscaled, except on a
-            skipped step, which leaves them as they were.
+            skipped step, which leaves them as they were. A step with step
+            hooks registered (or momentum SGD's first) multiplies instead:
+            hooks see what torch's recipe shows them. An optimizer built with
+            ``fused=True`` needs neither: it takes ``grad_scale`` itself.
         policies: third-party skip policies (:class:`~shardscale.core.SkipPolicy`
             objects, e.g. from a plugin distribution): each adds slots to the
             step's one all-reduce and a flag to the verdict, with its own reason
@@ -314,7 +329,8 @@ class ShardedGradScaler:
     _streak: SkipStreak
     _loss_flag: torch.Tensor | None
     _last_reason: torch.Tensor | None
-    _fuse_optimizer: bool | None
+    _fuse_optimizer: bool
+    _fusion: FusionChecks
 
     def __init__(
         self,
@@ -338,7 +354,7 @@ class ShardedGradScaler:
         spike: SpikeSkip | None = None,
         max_consecutive_skips: int | None = None,
         check_loss: bool = False,
-        fuse_optimizer: bool | None = None,
+        fuse_optimizer: bool = False,
         policies: Sequence[SkipPolicy] = (),
     ) -> None:
         if not isinstance(device, str):
@@ -366,10 +382,11 @@ class ShardedGradScaler:
         # A checkpoint's policy states loaded before the policies were bound (by name).
         self._plugin_pending: dict[str, Any] = {}
         self._loss_value: torch.Tensor | None = None
-        bad_fuse = _bad_fuse_option(fuse_optimizer)
+        bad_fuse = _bad_fuse_option(fuse_optimizer, per_call=False)
         if bad_fuse is not None:
             raise bad_fuse
         self._fuse_optimizer = fuse_optimizer
+        self._fusion = FusionChecks()
         self._spike_window = SpikeWindow(self._spike) if self._spike is not None else None
         self._loss_flag: torch.Tensor | None = None
         self._last_reason: torch.Tensor | None = None
@@ -736,17 +753,17 @@ class ShardedGradScaler:
         if bad is not None:
             return False, bad
         wanted = self._fuse_optimizer if choice is None else choice
-        if wanted is False or getattr(optimizer, "_step_supports_amp_scaling", False):
+        if not wanted or getattr(optimizer, "_step_supports_amp_scaling", False):
             return False, None
-        why = fusion_refusal(optimizer)
+        why = self._fusion.refusal(optimizer, self._opt_state(optimizer))
         if why is None:
             return True, None
-        if wanted is None or why == FIRST_MOMENTUM_STEP:
-            return False, None  # auto, or a first step only: today's path, silently
+        if why in PASSING:
+            return False, None  # step hooks, or a first step only: the multiply, silently
         return False, ValueError(
             f"fuse_optimizer=True, but this {type(optimizer).__name__}'s step cannot run through "
-            f"torch's fused kernel: {why}. Pass fuse_optimizer=None to use the kernel only where "
-            "it applies, or False"
+            f"torch's fused kernel: {why}. Pass fuse_optimizer=False (the default) to step the "
+            "optimizer as built, or build it with fused=True where torch has a fused kernel"
         )
 
     def unscale_(
@@ -772,7 +789,7 @@ class ShardedGradScaler:
         scaled and :meth:`step` hands it ``grad_scale = scale / clip_coef``.
         So are those of an unfused torch SGD/Adam/AdamW whose step the scaler
         runs through torch's fused kernel (``fuse_optimizer``: this call's
-        choice, ``None`` the scaler's; see the class). Without ``max_norm``
+        choice, ``None`` the scaler's, which is False by default; see the class). Without ``max_norm``
         the gradients are always left unscaled.
         ``kernels`` overrides the scaler's stats kernels; ``stats`` supplies
         per-gradient norms read during backward (``StreamingStats``).
@@ -955,10 +972,15 @@ class ShardedGradScaler:
             )
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             return self._fused_step(optimizer, state, scale, args, kwargs)
+        if state.folded and step_hooks(optimizer):
+            # Hooks registered since unscale_and_clip_ left the gradients scaled: they see them
+            # unscaled, on a step taken only, as in torch's recipe.
+            unfold_gradients_(optimizer, state.grad_scale)
+            state.folded, state.grad_scale = False, None
         # Left scaled for torch's fused kernel by unscale_and_clip_; or, only when asked for
-        # (fuse_optimizer=True: torch's own numbers are the default here), not yet read or
-        # unscaled by an explicit unscale_ (the kernel then gets grad_scale None).
-        if state.folded or (self._fuse_optimizer is True and self._folds(optimizer)[0]):
+        # (fuse_optimizer=True), not yet read or unscaled by an explicit unscale_ (the kernel
+        # then gets grad_scale None).
+        if state.folded or (self._fuse_optimizer and self._folds(optimizer)[0]):
             return self._fused_step(optimizer, state, scale, args, kwargs, fold=True)
         if state.stage is OptState.READY:
             self.unscale_(optimizer)
@@ -1031,9 +1053,12 @@ class ShardedGradScaler:
         found_inf = state.found_inf(scale.device)
         if found_inf is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        if fold or runs_on_local_shards(optimizer):
-            # Folded, or natively fused over DTensors: torch's kernel on the local shards.
-            retval = fused_kernel_step(optimizer, state.grad_scale, found_inf, *args, **kwargs)
+        local = self._fusion.local(optimizer, state)
+        if fold or local:
+            # Folded, or natively fused over DTensors: torch's kernel (on the local shards).
+            retval = fused_kernel_step(
+                optimizer, state.grad_scale, found_inf, *args, local=local, **kwargs
+            )
             state.stage = OptState.STEPPED
             return retval
         optimizer.grad_scale = state.grad_scale  # type: ignore[attr-defined]
@@ -1544,6 +1569,9 @@ class ShardedGradScaler:
         state.setdefault("_plugin_bound", None)
         state.setdefault("_plugin_pending", {})
         state.setdefault("_loss_value", None)
+        state.setdefault("_fusion", FusionChecks())
+        if state.get("_fuse_optimizer") is None:
+            state["_fuse_optimizer"] = False  # pickled when None (fold after clipping) existed
         self.__dict__.update(state)
         # id()s do not survive a copy: take them again from the (copied) declared parameters.
         self._distinct_params = frozenset(id(p) for p in self._distinct_refs)

@@ -2,7 +2,10 @@
 
 ``torch`` and ``torch_aa`` run the same recipe on identical copies: their
 ratio is the noise floor (A/A). ``ours`` is ``unscale_and_clip_`` + ``step`` +
-``update``; ``ours_streaming`` adds :class:`~shardscale.clip.StreamingStats`,
+``update`` with the default options (the optimizer stepped as built);
+``ours_fuse_optimizer`` is ``ours`` with ``fuse_optimizer=True`` (an unfused
+optimizer's step run through torch's fused kernel: the sync-free path);
+``ours_streaming`` adds :class:`~shardscale.clip.StreamingStats`,
 whose hooks run inside backward and are timed there; ``ours_foreach`` (CUDA
 only) is ``ours`` with the ``foreach`` kernels, beside ``ours`` with the
 kernels the device picks (shardscale-triton's where installed).
@@ -33,7 +36,11 @@ def make_scaler(recipe: str, device: str, backend: str) -> Any:
         from shardscale.core import ShardedGradScaler
 
         return ShardedGradScaler(
-            device, backend=counting_spec(backend), init_scale=2.0**10, growth_interval=10_000
+            device,
+            backend=counting_spec(backend),
+            init_scale=2.0**10,
+            growth_interval=10_000,
+            fuse_optimizer=recipe == "ours_fuse_optimizer",
         )
     return torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=10_000)
 

@@ -13,17 +13,20 @@ memory work, optimizer included, is a number of passes:
 * the floor for one read of statistics is that read plus the optimizer taking
   the unscale and clip factor (``grad_scale``) inside its own pass: 4 (SGD) /
   8 (Adam), so a post-processing time of 0.5 / 0.67 of torch's where memory
-  bound. Every torch SGD/Adam/AdamW takes it: a fused one itself, an unfused
-  one because the scaler runs its step through torch's fused kernel after
-  ``unscale_and_clip_`` ([Note: the apply folded into the optimizer] in
-  shardscale.core); another optimizer adds one R+W multiply;
+  bound. A fused optimizer takes it itself; an unfused torch SGD/Adam/AdamW
+  takes it when the scaler runs its step through torch's fused kernel
+  (``fuse_optimizer=True``, the ``ours_fuse_optimizer`` arm: [Note: the apply
+  folded into the optimizer] in shardscale.core); by default (``ours``) it
+  steps as built and the multiply adds one R+W: 6 for the benchmark's foreach
+  SGD (0.75);
 * with statistics streamed in backward the read leaves post-processing:
-  3 / 7 (0.38 / 0.58), plus the read in the hooks.
+  3 / 7 (0.38 / 0.58) at the floor, plus the read in the hooks.
 
 torch's fused kernels (SGD and Adam, CPU and CUDA alike) write each gradient
 back, divided by ``grad_scale``, when they are given one, so with torch's
-kernels ours counts one pass above that floor: 5 / 9 (4 / 8 streamed), 0.62 /
-0.75 of torch's passes.
+kernels ours counts one pass above that floor where the kernel takes
+``grad_scale``: 5 (SGD, ``fuse_optimizer=True``) / 9, 0.62 / 0.75 of torch's
+passes.
 The benchmark prints the passes it counted (``GradBytesCounter``, gradients
 plus parameters and optimizer state) beside the floor and the measured ratio.
 """
@@ -31,6 +34,7 @@ plus parameters and optimizer state) beside the floor and the measured ratio.
 from __future__ import annotations
 
 __all__ = [
+    "FOLDING_ARMS",
     "KERNEL_WRITE_BACK",
     "OPTIMIZER_PASSES",
     "TAKES_GRAD_SCALE",
@@ -40,9 +44,12 @@ __all__ = [
 
 #: Passes of the optimizer's own step over gradient, parameter and state memory.
 OPTIMIZER_PASSES = {"sgd": 3, "adam_fused": 7}
-#: Whether ours hands the benchmark's optimizer ``grad_scale``/``found_inf`` (the foreach SGD
-#: through torch's fused kernel) instead of multiplying its gradients first.
-TAKES_GRAD_SCALE = {"sgd": True, "adam_fused": True}
+#: Whether ours hands the benchmark's optimizer, as built, ``grad_scale``/``found_inf`` instead
+#: of multiplying its gradients first (the fused Adam does; the foreach SGD only in the arms
+#: that fold the apply into torch's fused kernel, ``FOLDING_ARMS``).
+TAKES_GRAD_SCALE = {"sgd": False, "adam_fused": True}
+#: The arms with ``fuse_optimizer=True``: every torch SGD/Adam/AdamW takes ``grad_scale``.
+FOLDING_ARMS = ("ours_fuse_optimizer",)
 #: The write-back of the unscaled gradient by torch's fused kernels when given ``grad_scale``.
 KERNEL_WRITE_BACK = 1
 #: torch's unscale (R+W), norm (R) and clip multiply (R+W).
@@ -61,7 +68,7 @@ def floor_passes(arm: str, optimizer: str) -> int | None:
         return _TORCH_EXTRA + own
     if not arm.startswith("ours"):
         return None
-    multiply = 0 if TAKES_GRAD_SCALE[optimizer] else 2
+    multiply = 0 if TAKES_GRAD_SCALE[optimizer] or arm in FOLDING_ARMS else 2
     read = 0 if "streaming" in arm else 1
     return read + multiply + own
 

@@ -43,6 +43,7 @@ TEXT_WIDTH = 120
 
 _METRICS = ("step", "post", "backward")
 _LABEL = {"torch": "torch", "torch_aa": "torch again (A/A)", "ours": "ours",
+          "ours_fuse_optimizer": "ours, fuse_optimizer=True",
           "ours_streaming": "ours + streaming stats", "ours_foreach": "ours, foreach kernels",
           "streaming_vs_ours": "streaming / ours (not / torch)"}  # fmt: skip
 
