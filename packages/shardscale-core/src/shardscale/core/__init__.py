@@ -48,6 +48,7 @@ from shardscale.core.scaler._scaler import ShardedGradScaler
 from shardscale.core.scaler._values import ScalerStateError
 from shardscale.core.step._aliasing import AliasedGradientError
 from shardscale.core.step._errors import GradientDeviceError, StepError
+from shardscale.core.step._policy import PolicyState, SkipPolicy
 from shardscale.core.step._verdict import SkipReason, SpikeSkip
 
 # [Note: the face and its tiers]
@@ -62,6 +63,8 @@ __all__ = [
     "SpikeSkip",
     "LossCheck",
     "SkipStreakLimit",
+    "SkipPolicy",
+    "PolicyState",
     # why a step was skipped, and what observers receive
     "SkipReason",
     "StepRecord",

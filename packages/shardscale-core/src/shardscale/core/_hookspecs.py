@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         StatsKernels,
         StepRecord,
     )
+    from shardscale.core.step._policy import SkipPolicy
 
 __all__ = ["PROJECT", "ENTRY_POINT_GROUP", "hookimpl", "HOOK_KINDS"]
 
@@ -76,6 +77,19 @@ def shardscale_stats_kernels() -> Sequence[StatsKernels]:  # type: ignore[empty-
 
 
 @_hookspec
+def shardscale_skip_policies() -> Sequence[type[SkipPolicy]]:  # type: ignore[empty-body]
+    """Return skip policy classes (frozen option objects), each with unique class attributes
+    ``name`` and ``code`` and an explicit ``precedence``.
+
+    A user builds one with its options and passes it as
+    ``ShardedGradScaler(policies=[MyPolicy(...)])``, or looks the class up by
+    name (:meth:`~shardscale.core.Registry.policy_class`). See
+    :class:`~shardscale.core.SkipPolicy` and docs/skipped-steps.md ("Writing a
+    skip policy"): third-party codes are 16..62, precedences 1..29.
+    """
+
+
+@_hookspec
 def shardscale_on_step(record: StepRecord) -> None:
     """Observe one finished scaler iteration (called after ``update()``)."""
 
@@ -86,5 +100,6 @@ HOOK_KINDS: dict[str, str] = {
     "shardscale_middlewares": "middleware",
     "shardscale_grad_adapters": "adapter",
     "shardscale_stats_kernels": "kernels",
+    "shardscale_skip_policies": "policy",
     "shardscale_on_step": "observer",
 }

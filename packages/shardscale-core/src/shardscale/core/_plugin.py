@@ -10,10 +10,13 @@ from shardscale.core._hookspecs import hookimpl
 from shardscale.core._local import LocalBackend
 from shardscale.core._loop_kernels import LoopKernels
 from shardscale.core._plain_adapter import PlainTensorAdapter
+from shardscale.core.scaler._options import LossCheck
+from shardscale.core.step._verdict import SpikeSkip
 
 __all__ = [
     "shardscale_collective_backends",
     "shardscale_grad_adapters",
+    "shardscale_skip_policies",
     "shardscale_stats_kernels",
 ]
 
@@ -39,3 +42,10 @@ def shardscale_stats_kernels() -> Sequence[object]:
     depend on which other shardscale distributions are installed.
     """
     return [ForeachKernels(), BlasDotKernels(), LoopKernels()]
+
+
+@hookimpl
+def shardscale_skip_policies() -> Sequence[type]:
+    """The built-in skip policies that are option objects: ``spike`` (:class:`SpikeSkip`) and
+    ``loss`` (:class:`LossCheck`)."""
+    return [SpikeSkip, LossCheck]

@@ -2,7 +2,7 @@
 
 Each plugin's implementation of ``shardscale_collective_backends``,
 ``shardscale_middlewares``, ``shardscale_grad_adapters`` and
-``shardscale_stats_kernels`` is called on its own (never through pluggy's
+``shardscale_stats_kernels`` and ``shardscale_skip_policies`` is called on its own (never through pluggy's
 all-at-once call, where one raising plugin would take every other down with
 it). A hook that raises, or returns something other than a list or tuple,
 contributes nothing; a malformed item is dropped while its well-formed siblings
@@ -24,7 +24,7 @@ _METHODS: dict[str, tuple[str, ...]] = {
     "adapter": ("claims", "describe"),
     "kernels": ("supports", "unscale_and_check_", "tensor_norms", "mul_"),
 }
-_CLASS_KINDS = ("backend", "middleware")
+_CLASS_KINDS = ("backend", "middleware", "policy")
 
 
 def short_repr(obj: object) -> str:
@@ -42,7 +42,7 @@ def short_repr(obj: object) -> str:
 
 
 _ARTICLE = {"backend": "a backend", "middleware": "a middleware", "adapter": "an adapter",
-            "kernels": "kernels"}  # fmt: skip
+            "kernels": "kernels", "policy": "a skip policy"}  # fmt: skip
 
 
 def item_problem(kind: str, obj: object) -> str | None:
@@ -70,6 +70,11 @@ def item_problem(kind: str, obj: object) -> str | None:
                 isinstance(automatic, bool) or not isinstance(automatic, int)
             ):
                 return f"whose 'automatic_priority' is not an int or None: got {automatic!r}"
+            if kind == "policy":
+                for attr in ("code", "precedence"):
+                    value = getattr(obj, attr, None)
+                    if isinstance(value, bool) or not isinstance(value, int):
+                        return f"whose '{attr}' is not an int: got {value!r}"
         else:
             if isinstance(obj, type):
                 return f"that is a class, not an instance; return [{obj.__name__}()]"

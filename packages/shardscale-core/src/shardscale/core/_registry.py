@@ -101,7 +101,7 @@ __all__ = [
 BACKEND_ENV = "SHARDSCALE_BACKEND"
 #: The "distribution" reported for plugins registered in-process.
 IN_PROCESS = "<in-process>"
-_ITEM_KINDS = ("backend", "middleware", "adapter", "kernels")
+_ITEM_KINDS = ("backend", "middleware", "adapter", "kernels", "policy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -432,6 +432,38 @@ class Registry:
         """The middleware class registered as ``name``."""
         cls: type = self._lookup("middleware", name)
         return cls
+
+    def policy_class(self, name: str) -> type:
+        """The skip policy class registered as ``name`` (see :meth:`skip_policies`)."""
+        self.skip_policies()  # duplicate names or codes are an error, named
+        cls: type = self._lookup("policy", name)
+        return cls
+
+    def skip_policies(self) -> dict[str, type]:
+        """Every registered skip policy class by name.
+
+        Two plugins registering the same policy name, reason code or precedence
+        raise :class:`PluginConflictError` naming both distributions: the
+        verdict's reason must name exactly one policy.
+        """
+        items = self._collect().by_kind.get("policy", [])
+        out: dict[str, type] = {}
+        for attr in ("name", "code", "precedence"):
+            seen: dict[object, _Item] = {}
+            for it in items:
+                key = getattr(it.obj, attr)
+                other = seen.setdefault(key, it)
+                if other is not it:
+                    raise PluginConflictError(
+                        f"the skip policy {attr} {key!r} is claimed by "
+                        f"{self._origin(other.plugin)[0]} (plugin {other.plugin!r}, "
+                        f"{other.obj.__qualname__}) and {self._origin(it.plugin)[0]} (plugin "
+                        f"{it.plugin!r}, {it.obj.__qualname__}); uninstall one, or block it with "
+                        f"{DISABLE_ENV}=<distribution>"
+                    )
+        for it in items:
+            out[it.name] = it.obj
+        return out
 
     def names(self, kind: str) -> list[str]:
         """Names of every registered plugin item of ``kind`` (backend, middleware, adapter, kernels)."""
@@ -801,6 +833,8 @@ class Registry:
                 if reason is None and kind == "kernels" and not self._supports_any(it):
                     reason = "no supported device on this machine"
                 priority = int(it.obj.priority) if kind in ("adapter", "kernels") else None
+                if kind == "policy":  # a skip policy's rank is its precedence
+                    priority = int(it.obj.precedence)
                 out.append(
                     ItemInfo(
                         it.name, kind, it.plugin, dist, version, reason is None, reason, priority

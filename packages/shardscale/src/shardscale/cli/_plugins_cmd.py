@@ -1,4 +1,4 @@
-"""``shardscale plugins``: every registered backend, middleware, adapter, kernels and observer, and whether it works here."""
+"""``shardscale plugins``: every registered backend, middleware, adapter, kernels, skip policy and observer, and whether it works here."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from shardscale.cli._plugin_timeout import add_plugin_timeout_option, load_plugi
 __all__ = ["add_plugins_parser", "collect_plugins", "run_plugins"]
 
 _PLURAL = {"backend": "backends", "middleware": "middleware", "adapter": "adapters",
-           "kernels": "kernels"}  # fmt: skip
+           "kernels": "kernels", "policy": "skip policies"}  # fmt: skip
 
 
 def add_plugins_parser(sub: Any) -> argparse.ArgumentParser:
@@ -95,7 +95,7 @@ def collect_plugins() -> dict[str, Any]:
             "unmatched": unmatched,
             "remaining": {
                 kind: sorted({it.name for it in items if it.kind == kind})
-                for kind in ("backend", "middleware", "adapter", "kernels")
+                for kind in ("backend", "middleware", "adapter", "kernels", "policy")
             },
         },
     }

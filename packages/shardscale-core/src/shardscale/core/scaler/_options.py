@@ -29,7 +29,7 @@ import functools
 import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeAlias
+from typing import Any, ClassVar, ParamSpec, TypeAlias
 
 import torch
 
@@ -42,7 +42,7 @@ __all__ = [
     "LossCheck",
     "MAX_STREAK",
     "ScaleBounds",
-    "SkipPolicy",
+    "BuiltinPolicy",
     "SkipStreakLimit",
     "SplitPolicies",
     "check_loss_scaling_option",
@@ -187,7 +187,20 @@ class LossCheck:
     flag rides in the step's one all-reduce, no host read. Ranks that hold no
     loss (the first stages of a pipeline) add nothing. The reason is
     ``SkipReason.LOSS``; the scale does not back off.
+
+    Its declarations follow the ``SkipPolicy`` protocol (name, code,
+    precedence, slots); its flag is the engine's shared ``loss_nonfinite``
+    slot, read in the step's fixed ops rather than through ``bind``.
     """
+
+    name: ClassVar[str] = "loss"
+    code: ClassVar[int] = 2  # SkipReason.LOSS
+    precedence: ClassVar[int] = 20
+    slots: ClassVar[tuple[str, ...]] = ()
+
+    def fingerprint(self) -> str:
+        """The options as text, compared across ranks (the step's declarations)."""
+        return repr(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +232,7 @@ class SkipStreakLimit:
 
 
 #: A skip policy option: what ``ShardedGradScaler(policies=[...])`` takes.
-SkipPolicy: TypeAlias = SpikeSkip | LossCheck | SkipStreakLimit
+BuiltinPolicy: TypeAlias = SpikeSkip | LossCheck | SkipStreakLimit
 
 _KINDS: tuple[type, ...] = (SpikeSkip, LossCheck, SkipStreakLimit)
 _ACCEPTED = "SpikeSkip(...), LossCheck(), SkipStreakLimit(max_skips=N)"
@@ -229,10 +242,12 @@ _ACCEPTED = "SpikeSkip(...), LossCheck(), SkipStreakLimit(max_skips=N)"
 class SplitPolicies:
     """The policies of one scaler, by kind (each ``None`` when absent), and as given."""
 
-    given: tuple[SkipPolicy, ...]
+    given: tuple[Any, ...]
     spike: SpikeSkip | None
     loss: LossCheck | None
     streak: SkipStreakLimit | None
+    #: Third-party policies (the ``SkipPolicy`` protocol), in the order given.
+    plugins: tuple[object, ...] = ()
 
 
 def split_policies(policies: object) -> SplitPolicies:
@@ -248,13 +263,17 @@ def split_policies(policies: object) -> SplitPolicies:
             f"{type(policies).__name__} {policies!r}; pass policies=() for none"
         )
     given = tuple(policies)  # an iterator is read once, here
-    found: dict[type, SkipPolicy] = {}
+    found: dict[type, BuiltinPolicy] = {}
+    plugins: list[object] = []
     for policy in given:
         kind = next((k for k in _KINDS if isinstance(policy, k)), None)
         if kind is None:
+            if isinstance(policy, type) or hasattr(policy, "name"):
+                plugins.append(policy)  # a third-party policy: check_policies names any problem
+                continue
             raise TypeError(
                 f"policies holds a {type(policy).__name__} ({policy!r}); it takes skip policy "
-                f"objects: {_ACCEPTED}"
+                f"objects: {_ACCEPTED}, or a third-party SkipPolicy"
             )
         if kind in found:
             raise ValueError(
@@ -272,7 +291,7 @@ def split_policies(policies: object) -> SplitPolicies:
     assert spike is None or isinstance(spike, SpikeSkip)
     assert loss is None or isinstance(loss, LossCheck)
     assert streak is None or isinstance(streak, SkipStreakLimit)
-    return SplitPolicies(given=given, spike=spike, loss=loss, streak=streak)
+    return SplitPolicies(given=given, spike=spike, loss=loss, streak=streak, plugins=tuple(plugins))
 
 
 def check_loss_scaling_option(value: object) -> ScaleBounds | None:

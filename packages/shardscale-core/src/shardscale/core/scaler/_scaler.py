@@ -47,10 +47,10 @@ from shardscale.core.scaler._optimizer_fusion import (
     unfold_gradients_,
 )
 from shardscale.core.scaler._options import (
+    BuiltinPolicy,
     Layout,
     LossCheck,
     ScaleBounds,
-    SkipPolicy,
     SkipStreakLimit,
     check_loss_scaling_option,
     declared_options,
@@ -89,6 +89,7 @@ from shardscale.core.step._contract import (
     distinct_param_ids,
     kernels_name,
 )
+from shardscale.core.step._policy import BoundPolicies, SkipPolicy, check_policies
 from shardscale.core.step._verdict import (
     SkipReason,
     SkipStreak,
@@ -265,7 +266,11 @@ class ShardedGradScaler:
             the step on every rank (see :meth:`observe_loss`);
             :class:`~shardscale.core.SkipStreakLimit` raises
             :class:`~shardscale.core.SkipStreakError` on every rank after that
-            many consecutive skipped steps (for any reason).
+            many consecutive skipped steps (for any reason); and third-party
+            :class:`~shardscale.core.SkipPolicy` objects (from a plugin
+            distribution), each adding slots to the step's one
+            all-reduce and a flag to the verdict, with its own reason code and
+            precedence ("Writing a skip policy" in docs/skipped-steps.md).
         loss_scaling: ``True`` (default): torch's dynamic loss scaling;
             a :class:`~shardscale.core.ScaleBounds`: dynamic scaling with
             hysteresis and bounds; ``False`` for bf16/fp32 training: the scale
@@ -321,7 +326,7 @@ class ShardedGradScaler:
     _optimizers: weakref.WeakSet[torch.optim.Optimizer]
     _optimizers_known: bool
     _loss_scaling: bool
-    _policies: tuple[SkipPolicy, ...]
+    _policies: tuple[BuiltinPolicy | SkipPolicy, ...]
     _declared: str
     _check_loss: bool
     _spike: SpikeSkip | None
@@ -346,7 +351,7 @@ class ShardedGradScaler:
         backend: str | CollectiveBackend | None = None,
         kernels: str | None = None,
         layout: Layout | None = None,
-        policies: Iterable[SkipPolicy] = (),
+        policies: Iterable[BuiltinPolicy | SkipPolicy] = (),
         loss_scaling: bool | ScaleBounds = True,
         fuse_optimizer: bool = False,
     ) -> None:
@@ -372,6 +377,11 @@ class ShardedGradScaler:
                 f"{type(layout).__name__} {layout!r}"
             )
         split = split_policies(policies)
+        self._plugin_policies = check_policies(split.plugins)
+        self._plugin_bound: BoundPolicies | None = None
+        # A checkpoint's policy states loaded before the policies were bound (by name).
+        self._plugin_pending: dict[str, Any] = {}
+        self._loss_value: torch.Tensor | None = None
         bad_fuse = _bad_fuse_option(fuse_optimizer, per_call=False)
         if bad_fuse is not None:
             raise bad_fuse
@@ -524,6 +534,11 @@ class ShardedGradScaler:
         if self._spike_window is not None:
             self._spike_window.materialize(dev)
         self._streak.materialize(dev)
+        if self._plugin_policies and self._plugin_bound is None:
+            self._plugin_bound = BoundPolicies(self._plugin_policies, dev)
+            for policy, state in zip(self._plugin_policies, self._plugin_bound.states, strict=True):
+                if policy.name in self._plugin_pending:
+                    state.load_state_dict(self._plugin_pending.pop(policy.name))
 
     # -- scale ---------------------------------------------------------------------------------
 
@@ -546,6 +561,8 @@ class ShardedGradScaler:
             assert self._scale is not None
             if self._check_loss:
                 self.observe_loss(outputs)
+            elif self._plugin_policies:
+                self._observe_loss_value(outputs)
             if not self._loss_scaling:
                 return outputs  # the scale is 1: the loss itself, no multiply
             return outputs * self._scale.to(device=outputs.device, non_blocking=True)
@@ -562,6 +579,8 @@ class ShardedGradScaler:
                 assert self._scale is not None
                 if self._check_loss:
                     self.observe_loss(val)
+                elif self._plugin_policies:
+                    self._observe_loss_value(val)
                 if not self._loss_scaling:
                     return val
                 if val.device not in cache:
@@ -593,10 +612,29 @@ class ShardedGradScaler:
         self._loss_flag = (
             flag if self._loss_flag is None else self._loss_flag | flag.to(self._loss_flag.device)
         )
+        if self._plugin_policies:
+            self._observe_loss_value(loss)
+
+    def _observe_loss_value(self, loss: torch.Tensor) -> None:
+        """Add ``loss`` (summed, float64, no host read) to what the skip policies see."""
+        value = loss.detach().sum(dtype=torch.float64)
+        self._loss_value = (
+            value
+            if self._loss_value is None
+            else self._loss_value + value.to(self._loss_value.device)
+        )
 
     def _verdict(self) -> Verdict:
         reason = SkipReason.OVERFLOW if self._loss_scaling else SkipReason.NONFINITE
-        return Verdict(nonfinite_reason=reason, spike=self._spike_window, declared=self._declared)
+        declared = self._declared
+        if self._plugin_bound is not None:
+            declared += f", policies=[{self._plugin_bound.fingerprint()}]"
+        return Verdict(
+            nonfinite_reason=reason,
+            spike=self._spike_window,
+            declared=declared,
+            policies=self._plugin_bound,
+        )
 
     # -- unscale -------------------------------------------------------------------------------
 
@@ -640,6 +678,7 @@ class ShardedGradScaler:
                 refusal=refusal,
                 verdict=self._verdict(),
                 loss_nonfinite=self._loss_flag,
+                loss=self._loss_value,
                 **options,
             ),
         )
@@ -1072,12 +1111,17 @@ class ShardedGradScaler:
         self._last_reason = reason
         # The window keeps accepted norms only: the last one this iteration's step tested.
         if self._spike_window is not None and any(r.norm is not None for _, r in self._iteration):
-            self._spike_window.accept(reason)
+            # Its rows are SkipReason's: a third-party code (16..62) is a skip like any other.
+            kept = reason if self._plugin_bound is None else reason.clamp(max=int(SkipReason.ERROR))
+            self._spike_window.accept(kept)
+        if self._plugin_bound is not None and self._iteration:
+            for policy_state in self._plugin_bound.states:
+                policy_state.after_update(reason)
         poll_errors()  # an accelerator step's error that already arrived surfaces here, no sync
         self._optimizers_known = bool(self._optimizers)
         self._per_optimizer_states = defaultdict(_OptimizerState)
         self._last_iteration, self._iteration = self._iteration, []
-        self._loss_flag = None
+        self._loss_flag = self._loss_value = None
         self._step_count += 1
         if new_scale is None and self._reg().has_step_observers():
             assert self._growth_tracker is not None
@@ -1122,6 +1166,10 @@ class ShardedGradScaler:
             kind = self._verdict().nonfinite_reason
             reasons = [torch.where(flag > 0, int(kind), 0) for flag in skips]
         # The common case, one optimizer, costs no device op here.
+        bound = self._plugin_bound
+        if bound is not None and len(reasons) > 1:
+            # A third-party code (16..62) is no precedence: compare the reasons' ranks.
+            return _strongest(skips), _strongest(overflows), bound.strongest(reasons)
         return _strongest(skips), _strongest(overflows), _strongest(reasons)
 
     def _set_scale(self, scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:
@@ -1298,7 +1346,7 @@ class ShardedGradScaler:
         return self._loss_scaling
 
     @property
-    def policies(self) -> tuple[SkipPolicy, ...]:
+    def policies(self) -> tuple[BuiltinPolicy | SkipPolicy, ...]:
         """The skip policies this scaler was built with, as given (``()``: none)."""
         return self._policies
 
@@ -1373,6 +1421,11 @@ class ShardedGradScaler:
             state["_skip_streak"], state["_skip_streak_reasons"] = self._streak.state()
             # The update count, so that a streak error after a resume names real step numbers.
             state["_steps"] = self._step_count
+        for at, policy in enumerate(self._plugin_policies):
+            if self._plugin_bound is not None:
+                state[f"policy.{policy.name}"] = self._plugin_bound.states[at].state_dict()
+            elif policy.name in self._plugin_pending:
+                state[f"policy.{policy.name}"] = self._plugin_pending[policy.name]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1390,6 +1443,17 @@ class ShardedGradScaler:
             max_scale=self._max_scale,
         )
         spike_state, streak = self._validate_verdict_state(state_dict, values.scale)
+        # A policy validates its own state: loaded first, so a bad one changes nothing else.
+        for at, policy in enumerate(self._plugin_policies):
+            saved = state_dict.get(f"policy.{policy.name}")
+            if saved is None:
+                continue
+            if self._plugin_bound is not None:
+                self._plugin_bound.states[at].load_state_dict(saved)
+            else:
+                # Not bound yet (no step so far): checked now on a throwaway CPU state.
+                policy.bind(torch.device("cpu")).load_state_dict(saved)
+                self._plugin_pending[policy.name] = saved
         # Validated: now apply, all at once (every value fits its float32/int32 tensor).
         self._init_scale = values.scale
         self._growth_factor = values.growth_factor
@@ -1474,7 +1538,14 @@ class ShardedGradScaler:
             state["_scale"] = state["_growth_tracker"] = state["_hysteresis_tracker"] = None
         state["_iteration"], state["_last_iteration"] = [], []
         state["_last_skipped"] = state["_last_grad_norm"] = None
-        state["_last_reason"] = state["_loss_flag"] = None
+        state["_last_reason"] = state["_loss_flag"] = state["_loss_value"] = None
+        # Third-party policies' device state travels as their state_dict, bound again on use.
+        if self._plugin_bound is not None:
+            state["_plugin_pending"] = {
+                p.name: st.state_dict()
+                for p, st in zip(self._plugin_policies, self._plugin_bound.states, strict=True)
+            }
+            state["_plugin_bound"] = None
         # The verdict's device state travels as host values, like the scale.
         if self._spike_window is not None:
             window = SpikeWindow(self._spike_window.policy)
@@ -1515,6 +1586,10 @@ class ShardedGradScaler:
                 )
                 if p is not None
             )
+        state.setdefault("_plugin_policies", ())
+        state.setdefault("_plugin_bound", None)
+        state.setdefault("_plugin_pending", {})
+        state.setdefault("_loss_value", None)
         state.setdefault("_fusion", FusionChecks())
         if state.get("_fuse_optimizer") is None:
             state["_fuse_optimizer"] = False  # pickled when None (fold after clipping) existed

@@ -87,7 +87,7 @@ def fill_local(
     if not values.names:
         return base.clone()
     index = tuple(
-        layout.shared(n) if n in layout.SHARED else layout.slot(n, rank) for n in values.names
+        layout.slot(n, rank) if n in layout.PER_RANK else layout.shared(n) for n in values.names
     )
     return torch.index_put(base, (scratch.index(index, device),), values.buffer)
 
@@ -115,33 +115,40 @@ class Probe:
     vector_flags: torch.Tensor
     nan: torch.Tensor
     spike: torch.Tensor
+    #: Views of :attr:`flags` after the spike flag: one per third-party skip policy, in order
+    #: (weighted by precedence; see [Note: a skip policy] in ``_policy``).
+    policy_flags: tuple[torch.Tensor, ...] = ()
 
 
 def _new_probe(
-    world: int, status: float, weights: tuple[tuple[str, int], ...], device: torch.device
+    layout: VectorLayout, status: float, weights: tuple[tuple[str, int], ...], device: torch.device
 ) -> Probe:
-    """The cached :class:`Probe` of a ``world``-rank layout for a rank whose own status is
-    ``status`` (-1 when it failed), with ``weights`` (block or shared name, reason; ``"spike"``
-    for the spike flag)."""
-    layout = VectorLayout(world)
-    expected = torch.zeros(layout.size, dtype=_F64)
+    """The cached :class:`Probe` of ``layout`` for a rank whose own status is ``status`` (-1
+    when it failed), with ``weights`` (block or shared name, reason; ``"spike"`` for the spike
+    flag, ``"policy:<i>"`` for the i-th third-party policy's flag). A policy's own slots are
+    no flags (weight 0): its flag is computed from them."""
+    size, extra = layout.size, sum(name.startswith("policy:") for name, _ in weights)
+    expected = torch.zeros(size, dtype=_F64)
     expected[layout.block("status")] = status
-    weight = torch.zeros(layout.size + 1, dtype=torch.int64)
+    weight = torch.zeros(size + 1 + extra, dtype=torch.int64)
     for name, reason in weights:
         if name == "spike":
-            weight[layout.size] = reason
+            weight[size] = reason
+        elif name.startswith("policy:"):
+            weight[size + 1 + int(name[7:])] = reason
         elif name in layout.SHARED:
             weight[layout.shared(name)] = reason
         else:
             weight[layout.block(name)] = reason
-    flags = torch.zeros(layout.size + 1, dtype=torch.bool, device=device)
+    flags = torch.zeros(size + 1 + extra, dtype=torch.bool, device=device)
     return Probe(
         expected=expected.to(device),
         weights=weight.to(device),
         flags=flags,
-        vector_flags=flags[: layout.size],
+        vector_flags=flags[:size],
         nan=flags[layout.shared("nan")],
-        spike=flags[layout.size],
+        spike=flags[size],
+        policy_flags=tuple(flags[size + 1 + i] for i in range(extra)),
     )
 
 
@@ -224,7 +231,9 @@ class StepScratch:
             tuple[int, tuple[tuple[int, float], ...], torch.device], torch.Tensor
         ] = {}
         self._locals: dict[tuple[tuple[str, ...], torch.device], LocalValues] = {}
-        self._probes: dict[tuple[int, float, tuple[tuple[str, int], ...], torch.device], Probe] = {}
+        self._probes: dict[
+            tuple[VectorLayout, float, tuple[tuple[str, int], ...], torch.device], Probe
+        ] = {}
         self._templates: dict[torch.device, torch.Tensor] = {}
 
     def constant(
@@ -276,20 +285,21 @@ class StepScratch:
 
     def probe(
         self,
-        world: int,
+        layout: VectorLayout | int,
         status: float,
         weights: tuple[tuple[str, int], ...],
         device: torch.device,
     ) -> Probe:
-        """The :class:`Probe` of a ``world``-rank layout for a rank whose own status is
-        ``status`` (-1 when it failed), with ``weights`` (block or shared name, reason;
-        ``"spike"`` for the spike flag)."""
-        key = (world, status, weights, device)
+        """The :class:`Probe` of ``layout`` (or a world size's) for a rank whose own status is
+        ``status`` (-1 when it failed), with ``weights`` (see :func:`_new_probe`)."""
+        if isinstance(layout, int):
+            layout = VectorLayout(layout)
+        key = (layout, status, weights, device)
         hit = self._probes.get(key)
         if hit is None:
             if len(self._probes) >= _MAX_PROBES:  # statuses change with declarations: bounded
                 self._probes.pop(next(iter(self._probes)))
-            hit = self._probes[key] = _new_probe(world, status, weights, device)
+            hit = self._probes[key] = _new_probe(layout, status, weights, device)
         return hit
 
     def fresh_outputs(self, device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -17,6 +17,7 @@ from shardscale.core.step._errors import (
     ErrorBlocks,
     add_pending,
 )
+from shardscale.core.step._policy import BUILTIN_PRECEDENCE
 from shardscale.core.step._verdict import SkipReason, Verdict
 
 if TYPE_CHECKING:
@@ -59,7 +60,9 @@ def decide(result: StepResult, local: LocalStep, request: StepRequest) -> None:
     # -1 matches no status: a rank that failed sets the flag itself (see Probe).
     own = -1.0 if local.error is not None else status_of(local, result.chain)
     scratch = local.scratch()
-    found = scratch.probe(layout.world, own, _weights(verdict, spike=spike is not None), vec.device)
+    policies = verdict.policies if verdict is not None else None
+    weights = _weights(verdict, spike=spike is not None)
+    found = scratch.probe(layout, own, weights, vec.device)
     # float64 when this rank reads float64 gradients, as torch; decided locally (no host read
     # of the vector), so ranks agree whenever they hold the same parameter dtypes.
     f64 = any(dtype is torch.float64 for _, dtype in local.buckets.every)
@@ -72,12 +75,32 @@ def decide(result: StepResult, local: LocalStep, request: StepRequest) -> None:
         if spike is not None:
             # Its flag is weighted in the reason: a spike skips unless a stronger reason does.
             spike.is_spike(value, out=found.spike)
-    reason = reason_into(vec, found, out=result.skip_reason)
+    if policies is None:
+        # Only built-ins: the weights are SkipReason values, whose order is the precedence.
+        reason = reason_into(vec, found, out=result.skip_reason)
+        bad_from, ranked = int(SkipReason.NONFINITE), reason
+    else:
+        # The weights are precedences: the highest set flag's, then its code (one take).
+        torch.ne(vec, found.expected, out=found.vector_flags)
+        reduced = {name: vec[layout.shared(name)] for name in policies.slots}
+        flags = policies.flags(
+            reduced,
+            norm=value,
+            found_inf=found.vector_flags[layout.block("nonfinite")].any(),
+            loss=request.loss,
+        )
+        for into, flag in zip(found.policy_flags, flags, strict=True):
+            into.copy_(flag)
+        ranked = torch.amax(found.flags * found.weights, dim=0)
+        bad_from = BUILTIN_PRECEDENCE[SkipReason.NONFINITE]
+        reason = torch.take(policies.codes, ranked)
+        if result.skip_reason is not None:
+            reason = result.skip_reason.copy_(reason)
     result.skip_reason = reason
     result._errors = ErrorBlocks(vec, layout, reason, failed_at=int(SkipReason.ERROR))
     # A non-finite gradient, an error or a disagreement on any rank: nothing is stepped on.
-    bad = reason >= int(SkipReason.NONFINITE)
-    torch.ge(reason, int(SkipReason.NONFINITE), out=result.found_inf)
+    bad = ranked >= bad_from
+    torch.ge(ranked, bad_from, out=result.found_inf)
     if value is not None:
         # float32 constants: the result keeps the value's dtype.
         nan, inf = (scratch.constant(v, vec.device, torch.float32) for v in (math.nan, math.inf))
@@ -105,13 +128,20 @@ def decide(result: StepResult, local: LocalStep, request: StepRequest) -> None:
 
 
 def _weights(verdict: Verdict | None, *, spike: bool) -> tuple[tuple[str, int], ...]:
-    """What each flag of the reduced vector weighs in the reason (see ``_step_arith.Probe``)."""
+    """What each flag of the reduced vector weighs in the reason (see ``_step_arith.Probe``):
+    the SkipReason itself when only built-ins are on, else its precedence (``_policy``)."""
     kind = verdict.nonfinite_reason if verdict is not None else SkipReason.NONFINITE
-    weights = [("nonfinite", int(kind)), ("status", int(SkipReason.ERROR))]
+    reasons = [("nonfinite", kind), ("status", SkipReason.ERROR)]
     if verdict is not None:  # a clip call alone does not skip for a loss it never saw
-        weights.append(("loss_nonfinite", int(SkipReason.LOSS)))
+        reasons.append(("loss_nonfinite", SkipReason.LOSS))
     if spike:
-        weights.append(("spike", int(SkipReason.SPIKE)))
+        reasons.append(("spike", SkipReason.SPIKE))
+    if verdict is None or verdict.policies is None:
+        return tuple((name, int(reason)) for name, reason in reasons)
+    weights = [(name, BUILTIN_PRECEDENCE[reason]) for name, reason in reasons]
+    weights += [
+        (f"policy:{i}", policy.precedence) for i, policy in enumerate(verdict.policies.policies)
+    ]
     return tuple(weights)
 
 

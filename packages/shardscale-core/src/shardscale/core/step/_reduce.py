@@ -22,7 +22,7 @@ from shardscale.core.step._errors import (
 from shardscale.core.step._vector import VectorLayout, pack_status
 
 if TYPE_CHECKING:
-    pass
+    from shardscale.core.step._policy import BoundPolicies
 from shardscale.core.step._read import Reading
 from shardscale.core.step._types import LocalStep, StepConfig, StepRequest, StepResult
 
@@ -60,8 +60,15 @@ def reduce(
     if config.verify_chain:
         verify_same_chain(config.backend, config.group, device)
     chain = chain_names(config.backend)
+    policies = request.verdict.policies if request.verdict is not None else None
     vec, finite = _local_vector(
-        reading, local, device=device, chain=chain, loss_nonfinite=request.loss_nonfinite
+        reading,
+        local,
+        device=device,
+        chain=chain,
+        loss_nonfinite=request.loss_nonfinite,
+        policies=policies,
+        loss=request.loss,
     )
     handle = _issue(vec, config)
     found_inf, skip, coef, norm32 = local.scratch().fresh_outputs(device)
@@ -83,6 +90,7 @@ def reduce(
         skip=skip,
         skip_reason=torch.zeros((), dtype=torch.int64, device=device) if request.lazy else None,
         _norm32=norm32,
+        policy_slots=policies.slots if policies is not None else (),
     )
     return result, handle
 
@@ -94,6 +102,8 @@ def _local_vector(
     device: torch.device,
     chain: str,
     loss_nonfinite: torch.Tensor | None = None,
+    policies: BoundPolicies | None = None,
+    loss: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's slots of the step's vector, and which local tensors read finite.
 
@@ -111,6 +121,8 @@ def _local_vector(
         names += ("nan",)
     if loss_nonfinite is not None:
         names += ("loss_nonfinite",)
+    if policies is not None:
+        names += policies.slots
     values = local.scratch().local_values(names, device)
     out = values.slots
     if norm and p is not None:
@@ -145,10 +157,12 @@ def _local_vector(
         if observed.device != device:
             observed = observed.to(device, non_blocking=True)
         torch.ne(observed, 0, out=out["loss_nonfinite"])
+    if policies is not None:
+        policies.fill(out, loss=loss)
     floor = p is not None and not math.isinf(p)
     vec = fill_local(
         local.scratch(),
-        VectorLayout(local.world),
+        VectorLayout(local.world, policies.slots if policies is not None else ()),
         local.rank,
         values,
         status=status_of(local, chain),

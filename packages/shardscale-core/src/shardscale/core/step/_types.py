@@ -128,6 +128,8 @@ class StepRequest:
             hold the verdict (see [Note: the verdict] in ``_verdict``).
         loss_nonfinite: 0-dim, nonzero when this rank observed a non-finite
             loss; carried in the vector so that every rank skips.
+        loss: 0-dim, the sum of the losses this rank observed in the iteration
+            (for ``verdict.policies``), or None.
 
     ``norm_type`` and ``max_norm`` are as the caller passed them: the check
     stage validates them against the contract, so that a bad value on one
@@ -148,6 +150,7 @@ class StepRequest:
     refusal: BaseException | None = None
     verdict: Verdict | None = None
     loss_nonfinite: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         # The caller's own contract with the engine: a programming error, raised at once.
@@ -200,6 +203,8 @@ class StepResult:
     skip_reason: torch.Tensor | None = None
     #: The reduced vector's per-rank ``nonfinite`` block, when the decision already made the view.
     nonfinite_block: torch.Tensor | None = None
+    #: The shared slots the third-party skip policies added to :attr:`vector`.
+    policy_slots: tuple[str, ...] = ()
     #: Where the decision writes a float32 norm (one of the step's fresh outputs).
     _norm32: torch.Tensor | None = None
     _errors: ErrorBlocks | None = None
@@ -214,7 +219,7 @@ class StepResult:
     @property
     def layout(self) -> VectorLayout:
         """The names of :attr:`vector`'s blocks."""
-        return VectorLayout(self.world_size)
+        return VectorLayout(self.world_size, self.policy_slots)
 
     def wait(self) -> StepResult:
         """Finish a ``lazy`` step: wait for the all-reduce and decide (a no-op otherwise)."""

@@ -39,6 +39,9 @@ class VectorLayout:
     """Where each block of a W-rank step vector lives."""
 
     world: int
+    #: Shared SUM slots the scaler's third-party skip policies add (``<policy>.<slot>``), after
+    #: :attr:`SHARED` (see [Note: a skip policy] in ``_policy``).
+    extra: tuple[str, ...] = ()
 
     #: One slot per rank, in this order.
     PER_RANK: ClassVar[tuple[str, ...]] = (
@@ -60,7 +63,7 @@ class VectorLayout:
     @property
     def size(self) -> int:
         """How many float64 values the vector holds."""
-        return len(self.PER_RANK) * self.world + len(self.SHARED)
+        return len(self.PER_RANK) * self.world + len(self.SHARED) + len(self.extra)
 
     def block(self, name: str) -> slice:
         """The W slots of a per-rank block."""
@@ -72,8 +75,11 @@ class VectorLayout:
         return self.PER_RANK.index(name) * self.world + rank
 
     def shared(self, name: str) -> int:
-        """The index of a shared value."""
-        return len(self.PER_RANK) * self.world + self.SHARED.index(name)
+        """The index of a shared value (a policy's slot included)."""
+        start = len(self.PER_RANK) * self.world
+        if name in self.SHARED:
+            return start + self.SHARED.index(name)
+        return start + len(self.SHARED) + self.extra.index(name)
 
     def host_read(self) -> slice:
         """The span of :attr:`HOST_READ`, in that order."""

@@ -31,12 +31,15 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from shardscale.core._errors import SkipStreakError
 from shardscale.core.step._host_copy import HostCopy
+
+if TYPE_CHECKING:
+    from shardscale.core.step._policy import BoundPolicies
 
 __all__ = [
     "SkipReason",
@@ -132,6 +135,13 @@ class SpikeSkip:
     them).
     """
 
+    #: Its declarations as a skip policy (see [Note: a skip policy] in ``_policy``): the
+    #: engine keeps its flag's fused place (no slots: it flags from the step's global norm).
+    name: ClassVar[str] = "spike"
+    code: ClassVar[int] = 1  # SkipReason.SPIKE
+    precedence: ClassVar[int] = 10
+    slots: ClassVar[tuple[str, ...]] = ()
+
     max_norm_abs: float | None = None
     z: float | None = 6.0
     ratio: float | None = None
@@ -168,6 +178,10 @@ class SpikeSkip:
                 self.warmup, "warmup", low=low, fix="; None means max(2, window // 2 - 1)"
             )
             object.__setattr__(self, "warmup", warmup)
+
+    def fingerprint(self) -> str:
+        """The options as text, compared across ranks (the step's declarations)."""
+        return repr(self)
 
     @property
     def armed_after(self) -> int:
@@ -363,6 +377,8 @@ class Verdict:
     #: The policies as text, for the step's declarations fingerprint: ranks whose policies
     #: differ would take different verdicts on the same reduced vector, so they all raise.
     declared: str = ""
+    #: The scaler's third-party skip policies, bound to its device (see ``_policy``), or None.
+    policies: BoundPolicies | None = None
 
 
 class SkipStreak:
@@ -426,7 +442,9 @@ class SkipStreak:
         if count < self.limit:
             return
         reasons = tuple(r for r in SkipReason if r and mask & (1 << r))
-        names = ", ".join(r.name.lower() for r in reasons)
+        # A third-party skip policy's code (16..62) is named by its number.
+        plugin = [f"code {c}" for c in range(16, 63) if mask & (1 << c)]
+        names = ", ".join([r.name.lower() for r in reasons] + plugin)
         first = self._step - count + 1
         raise SkipStreakError(
             f"{count} consecutive optimizer steps were skipped (scaler steps {first} to "
