@@ -65,7 +65,7 @@ class DeclarationError(ShardscaleError, ValueError):
 
 
 class SkipStreakError(ShardscaleError):
-    """Too many consecutive optimizer steps were skipped (``max_consecutive_skips``).
+    """Too many consecutive optimizer steps were skipped (``policies=[SkipStreakLimit(max_skips=N)]``).
 
     Raised on every rank by ``ShardedGradScaler.update()`` (at the latest by the
     scaler's next call, one step later on an accelerator) once the streak of

@@ -30,18 +30,14 @@ import torch
 
 if TYPE_CHECKING:
     from shardscale.core._registry import Registry
-    from shardscale.core.step._verdict import SpikeSkip
 
 __all__ = [
     "ALL_RANKS",
     "check_distinct_dims",
     "check_error_if_nonfinite",
     "check_kernels",
-    "check_loss_scaling",
-    "check_max_consecutive_skips",
     "check_max_norm",
     "check_norm_type",
-    "check_spike",
     "distinct_param_ids",
     "kernels_name",
     "nonfinite_norm_error",
@@ -200,38 +196,3 @@ def distinct_param_ids(
 
 
 # -- the verdict's options (see [Note: the verdict] in ``_verdict``) --------------------------------
-
-
-def check_loss_scaling(value: object) -> bool:
-    """``loss_scaling`` must be a bool: False for bf16/fp32 training (scale fixed at 1)."""
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"loss_scaling must be True (fp16: dynamic loss scaling) or False (bf16/fp32: the "
-            f"scale stays 1, non-finite gradients still skip the step), got "
-            f"{type(value).__name__} {value!r}"
-        )
-    return value
-
-
-def check_spike(value: object) -> SpikeSkip | None:
-    """``spike`` must be a :class:`~shardscale.core.SpikeSkip` (its fields check themselves) or None."""
-    from shardscale.core.step._verdict import SpikeSkip
-
-    if value is None or isinstance(value, SpikeSkip):
-        return value
-    raise TypeError(
-        f"spike takes a SpikeSkip (e.g. spike=SpikeSkip() for 6 sigma over the last 128 accepted "
-        f"steps) or None, got {type(value).__name__} {value!r}"
-    )
-
-
-def check_max_consecutive_skips(value: object) -> int | None:
-    """``max_consecutive_skips`` must be None (never abort) or an int >= 1."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
-        raise ValueError(
-            f"max_consecutive_skips must be an int >= 1 (raise after that many skipped steps in a "
-            f"row) or None (never), got {value!r}"
-        )
-    return int(value)

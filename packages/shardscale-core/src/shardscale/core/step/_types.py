@@ -99,7 +99,7 @@ class PrecomputedNorms(Protocol):
 class StepRequest:
     """What one :func:`run_step` call asks for: the engine's only carrier of a step's options.
 
-    Fields:
+    Attributes:
         apply: what to do with the gradients after the decision (:class:`Apply`).
         norm_type: the p of the norm (any p > 0 or inf); ``None`` for no norm.
         max_norm: clip limit (> 0); ``inf`` clips nothing.
