@@ -97,3 +97,38 @@ def test_core_has_no_import_cycles() -> None:
         if module not in state:
             visit(module)
     assert "shardscale.core.step._engine" in graph  # the walk saw the engine
+
+
+def test_the_optional_members_the_engine_reads_are_declared_in_the_protocols() -> None:
+    from shardscale.core import ForeachKernels, PlainTensorAdapter
+    from shardscale.core._protocols import (
+        LayoutAwareAdapter,
+        OverflowSafeKernels,
+        claims_type_of,
+        layout_keys_of,
+        overflow_safe,
+        promises_stable_layout,
+    )
+
+    plain = PlainTensorAdapter()
+    assert isinstance(plain, LayoutAwareAdapter)
+    assert promises_stable_layout(plain) and layout_keys_of(plain) is not None
+    assert claims_type_of(plain) is not None
+
+    class Minimal:  # a GradAdapter with none of the optional members
+        name = "minimal"
+        priority = 0
+
+        def claims(self, param: object) -> bool:
+            return False
+
+        def describe(self, param: object, grad: object, ctx: object) -> object:
+            raise AssertionError("not called")
+
+    minimal = Minimal()
+    assert not isinstance(minimal, LayoutAwareAdapter)
+    assert not promises_stable_layout(minimal) and layout_keys_of(minimal) is None
+    assert claims_type_of(minimal) is None
+    assert not overflow_safe(ForeachKernels()) and not isinstance(
+        ForeachKernels(), OverflowSafeKernels
+    )

@@ -18,9 +18,9 @@ An optimizer step is described by data flowing through four kinds of plugin:
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -37,6 +37,12 @@ __all__ = [
     "AdapterContext",
     "GradAdapter",
     "StatsKernels",
+    "LayoutAwareAdapter",
+    "OverflowSafeKernels",
+    "promises_stable_layout",
+    "layout_keys_of",
+    "claims_type_of",
+    "overflow_safe",
     "StepRecord",
 ]
 
@@ -197,6 +203,69 @@ class StatsKernels(Protocol):
     def mul_(self, tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
         """Multiply every tensor in place by the 0-dim tensor ``coef``."""
         ...
+
+
+@runtime_checkable
+class LayoutAwareAdapter(GradAdapter, Protocol):
+    """The optional members of a :class:`GradAdapter` that let a step describe a layout once.
+
+    ``stable_layout = True`` promises that :meth:`~GradAdapter.describe`'s answer
+    rests only on the gradient's class, placement and what :meth:`layout_keys`
+    returns, so a step plan may reuse it and parameters with equal keys share one
+    description. ``claims_type(kind)`` answers ``claims`` for a whole class:
+    True (claims every instance), False (none), None (the parameter decides).
+    Each member is optional: the engine reads them through
+    :func:`promises_stable_layout`, :func:`layout_keys_of` and :func:`claims_type_of`,
+    which give the plain per-parameter behaviour where one is absent.
+    """
+
+    stable_layout: ClassVar[bool]
+
+    def claims_type(self, kind: type) -> bool | None:
+        """Whether every (True), no (False) or some (None) parameter of class ``kind`` is claimed."""
+        ...
+
+    def layout_keys(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ctx: AdapterContext
+    ) -> Sequence[Hashable] | None:
+        """Per parameter, a key: equal keys get the same description (None: ask each one)."""
+        ...
+
+
+@runtime_checkable
+class OverflowSafeKernels(StatsKernels, Protocol):
+    """The optional member of :class:`StatsKernels`: ``overflow_safe_norms = True`` says that
+    :meth:`~StatsKernels.tensor_norms` keeps every power from overflowing in its one read, so
+    the engine calls it once for every p and dtype (read by :func:`overflow_safe`)."""
+
+    overflow_safe_norms: ClassVar[bool]
+
+
+def promises_stable_layout(adapter: object) -> bool:
+    """``adapter``'s ``stable_layout`` promise (absent: False)."""
+    return getattr(type(adapter), "stable_layout", False) is True
+
+
+def layout_keys_of(
+    adapter: object,
+) -> Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], AdapterContext], Any] | None:
+    """``adapter.layout_keys`` where it promises a stable layout and has one, else None."""
+    if not promises_stable_layout(adapter):
+        return None
+    keys: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], AdapterContext], Any] | None
+    keys = getattr(adapter, "layout_keys", None)
+    return keys
+
+
+def claims_type_of(adapter: object) -> Callable[[type], bool | None] | None:
+    """``adapter.claims_type`` where it has one, else None."""
+    probe: Callable[[type], bool | None] | None = getattr(adapter, "claims_type", None)
+    return probe
+
+
+def overflow_safe(kernels: object) -> bool:
+    """Whether ``kernels`` set ``overflow_safe_norms = True`` (absent: False)."""
+    return getattr(kernels, "overflow_safe_norms", False) is True
 
 
 @dataclass(frozen=True, slots=True)

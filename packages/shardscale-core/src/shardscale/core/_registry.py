@@ -75,6 +75,7 @@ from shardscale.core._plugin_loading import (
     failure_fix,
     load_plugins,
 )
+from shardscale.core._protocols import claims_type_of
 
 if TYPE_CHECKING:
     import torch
@@ -705,7 +706,7 @@ class Registry:
         DTensors) this spares a ``claims`` call per adapter per parameter.
         """
         for it in ranked:
-            probe = getattr(it.obj, "claims_type", None)
+            probe = claims_type_of(it.obj)
             try:
                 answer = probe(kind) if probe is not None else None
             except Exception:

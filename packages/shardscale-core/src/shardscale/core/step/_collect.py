@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardscale.core._errors import GradientDtypeError
-from shardscale.core._protocols import AdapterContext
+from shardscale.core._protocols import AdapterContext, promises_stable_layout
 
 if TYPE_CHECKING:
     from shardscale.core._registry import Registry
@@ -105,9 +105,7 @@ def _collect_each(
             adapter = registry.adapter_for(param)
             known = stable_of.get(id(adapter))
             if known is None:
-                known = stable_of[id(adapter)] = (
-                    getattr(type(adapter), "stable_layout", False) is True
-                )
+                known = stable_of[id(adapter)] = promises_stable_layout(adapter)
             stable = known
             shard = adapter.describe(param, grad, ctx)
             local, counts = shard.local, shard.counts

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from shardscale.core._protocols import AdapterContext
+from shardscale.core._protocols import AdapterContext, layout_keys_of, promises_stable_layout
 from shardscale.core.step._buckets import GradBuckets, Trace, check_ranks, dtensor_type
 
 if TYPE_CHECKING:
@@ -115,10 +115,9 @@ def _collect(
     stable = True
     dtensor = dtensor_type()
     for adapter, members in _by_adapter(params, registry).items():
-        promised = getattr(type(adapter), "stable_layout", False) is True
-        stable = stable and promised
+        stable = stable and promises_stable_layout(adapter)
         sub_params, sub_grads = _pick(params, members), _pick(grads, members)
-        keys_of = getattr(adapter, "layout_keys", None) if promised else None
+        keys_of = layout_keys_of(adapter)
         keys = keys_of(sub_params, sub_grads, ctx) if keys_of is not None else None
         if keys is None:  # an adapter that cannot group: asked per parameter
             for position, param, grad in zip(members, sub_params, sub_grads, strict=True):

@@ -11,6 +11,7 @@ import torch
 
 if TYPE_CHECKING:
     pass
+from shardscale.core._protocols import overflow_safe
 from shardscale.core.step._types import Apply, LocalStep, PrecomputedNorms, StepRequest
 
 
@@ -106,7 +107,7 @@ def _bucket_norms(
 
 def tensor_norms(kernels: Any, tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
     """Per-tensor p-norms, 1-D, overflow-safe (see [Note: per-tensor norms without overflow])."""
-    if getattr(kernels, "overflow_safe_norms", False) is True:
+    if overflow_safe(kernels):
         # The kernels normalise inside their one read (StatsKernels' optional attribute).
         safe: torch.Tensor = kernels.tensor_norms(tensors, p)
         return safe
