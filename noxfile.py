@@ -121,7 +121,10 @@ def _run_tests(session: nox.Session, torch_version: str) -> None:
     # Triton's interpreter for shardscale-triton's CPU tests: it must be on before anything
     # imports triton, and it changes nothing else (the kernels claim the CPU only where a test
     # also sets SHARDSCALE_TRITON_INTERPRET=1).
-    session.run("pytest", *paths, *session.posargs, env={"TRITON_INTERPRET": "1"})
+    # The install-lines test (marked slow: fresh clones and virtualenvs, minutes of pip) has its
+    # own session, install_lines, so that this one stays within CI's time.
+    args = session.posargs or ["-m", "not slow"]
+    session.run("pytest", *paths, *args, env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session(python=PYTHON)
@@ -135,6 +138,16 @@ def tests(session: nox.Session) -> None:
 def tests_matrix(session: nox.Session, torch: str) -> None:
     """The tests session over every supported torch version."""
     _run_tests(session, torch)
+
+
+@nox.session(python=PYTHON)
+def install_lines(session: nox.Session) -> None:
+    """The first install command of getting-started and of each integration page, run as written
+    in a fresh virtualenv on a fresh clone (integration_tests/test_install_lines.py)."""
+    _install_torch(session, os.environ.get("SHARDSCALE_TORCH", DEFAULT_TORCH))
+    session.install(*TEST_DEPS)
+    test = ROOT / "integration_tests" / "test_install_lines.py"
+    session.run("pytest", str(test), "-m", "slow", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -1351,8 +1351,8 @@ CASES: list[Case] = [
         _w(),
         _cli("demo", "--mesh", "3x"),
         CliFailed,
-        r"'3x' is not a mesh shape",
-        r"e\.g\. '2x2'",
+        r"--mesh '3x': a dimension is missing",
+        r"e\.g\. 'dp4', 'dp2xtp2'",
         requires=CLI,
     ),
     Case(

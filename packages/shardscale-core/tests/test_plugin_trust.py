@@ -43,7 +43,8 @@ from shardscale.core import PluginConflictError, PluginNotFoundError, Registry, 
 from shardscale.core.plugins import IN_PROCESS, CompletedHandle
 
 _BACKEND_MODULE = """
-from shardscale.core import CompletedHandle, hookimpl
+from shardscale.core import hookimpl
+from shardscale.core.plugins import CompletedHandle
 
 class DupBackend:
     name = "{backend}"
