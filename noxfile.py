@@ -13,6 +13,7 @@ runs the GPU check (tools/gpu_check.py) with the machine's own torch.
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import shutil
@@ -525,6 +526,10 @@ def verl(session: nox.Session) -> None:
     listed = session.run("shardscale", "plugins", silent=True)
     if "shardscale-verl" not in str(listed):
         session.error(f"`shardscale plugins` does not list shardscale-verl:\n{listed}")
+    checked = session.run("shardscale", "doctor", "--json", silent=True, success_codes=[0, 1])
+    findings = json.loads(str(checked))["findings"]
+    if not any(f["check"] == "shardscale-verl" and f["status"] == "ok" for f in findings):
+        session.error(f"`shardscale doctor` does not find shardscale-verl with verl:\n{checked}")
     junit = Path(session.create_tmp()) / "verl-junit.xml"
     tests = [str(ROOT / "packages" / VERL_DIST / "tests"),
              str(ROOT / "packages" / "shardscale" / "tests" / "test_packaging.py")]  # fmt: skip
