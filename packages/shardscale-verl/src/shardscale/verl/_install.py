@@ -34,8 +34,9 @@ from __future__ import annotations
 import os
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -221,13 +222,16 @@ def _load_checkpoint(
     type(self).load_checkpoint(self, local_path, hdfs_path, del_local_after_load, **kwargs)
 
 
-_REPLACED: dict[str, Callable[..., Any]] = {
-    "optimizer_step": _optimizer_step,
-    "train_batch": _train_batch,
-    "lr_scheduler_step": _lr_scheduler_step,
-    "save_checkpoint": _save_checkpoint,
-    "load_checkpoint": _load_checkpoint,
-}
+#: The engine methods use_shardscale replaces, and with what: a constant table (read-only).
+_REPLACED: Mapping[str, Callable[..., Any]] = MappingProxyType(
+    {
+        "optimizer_step": _optimizer_step,
+        "train_batch": _train_batch,
+        "lr_scheduler_step": _lr_scheduler_step,
+        "save_checkpoint": _save_checkpoint,
+        "load_checkpoint": _load_checkpoint,
+    }
+)
 
 
 def _device_name() -> str:

@@ -73,8 +73,9 @@ import inspect
 import itertools
 import operator
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from typing import Any, cast
 
 import torch
 from torch.optim import optimizer as _torch_optimizer
@@ -94,11 +95,14 @@ __all__ = [
 ]
 
 #: torch's optimizers with fused kernels, and the kernel each runs.
-_FUSED_OPS: dict[type[torch.optim.Optimizer], str] = {
-    torch.optim.SGD: "_fused_sgd_",
-    torch.optim.AdamW: "_fused_adamw_",
-    torch.optim.Adam: "_fused_adam_",
-}
+#: torch's optimizer classes and their fused kernels: a constant table (read-only).
+_FUSED_OPS: Mapping[type[torch.optim.Optimizer], str] = MappingProxyType(
+    {
+        torch.optim.SGD: "_fused_sgd_",
+        torch.optim.AdamW: "_fused_adamw_",
+        torch.optim.Adam: "_fused_adam_",
+    }
+)
 
 #: Refusals that pass by themselves: even ``fuse_optimizer=True`` takes the unfused path for
 #: that step, without an error. After its first step taken, momentum SGD qualifies.
@@ -116,7 +120,7 @@ PASSING = (FIRST_MOMENTUM_STEP, STEP_HOOKS)
 
 def _base(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer] | None:
     """torch's fused-capable class whose own ``step`` this optimizer runs, if any."""
-    for base in type(optimizer).__mro__:
+    for base in cast("list[type[torch.optim.Optimizer]]", type(optimizer).__mro__):
         if base in _FUSED_OPS:
             own = inspect.unwrap(type(optimizer).step)  # torch wraps step in profiling hooks
             runs = torch.optim.Adam if base is torch.optim.AdamW else base
