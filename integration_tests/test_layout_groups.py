@@ -41,10 +41,9 @@ def _case() -> dict[str, Any]:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     from shardscale.core import get_registry
-    from shardscale.core.step import Apply, StepConfig, StepRequest, run_step
+    from shardscale.core.step import Apply, StepConfig, StepPlans, StepRequest, run_step
     from shardscale.core.step._buckets import Trace
     from shardscale.core.step._collect import _collect_each, collect_grads
-    from shardscale.core.step._plan import forget_plans, plans_of
 
     rank, world = dist.get_rank(), dist.get_world_size()
     flat = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
@@ -142,7 +141,7 @@ def _case() -> dict[str, Any]:
     def step() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
         result = run_step(
             params, config, StepRequest(apply=Apply.MULTIPLY, norm_type=2.0, max_norm=1.0,
-            scale=torch.tensor(SCALE)),
+            scale=torch.tensor(SCALE), plans=plans),
         )  # fmt: skip
         assert result.norm is not None
         after = [None if g is None else g.clone() for g in local_grads()]
@@ -151,11 +150,11 @@ def _case() -> dict[str, Any]:
                 g.copy_(s)
         return result.norm, result.found_inf, after
 
-    forget_plans(params[0])
+    plans = StepPlans()  # none kept yet: the first step is cold
     cold = step()
-    uses = sum(plan.uses for plan in plans_of(params[0]))
+    uses = sum(plan.uses for plan in plans)
     warm = step()
-    reused = sum(plan.uses for plan in plans_of(params[0])) - uses
+    reused = sum(plan.uses for plan in plans) - uses
     bitwise = (
         torch.equal(cold[0], warm[0])
         and torch.equal(cold[1], warm[1])

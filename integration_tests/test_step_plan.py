@@ -7,7 +7,9 @@ bit (norm, found_inf, every local gradient after the multiply) while the
 layout changes between steps: new gradient tensors, a gradient dropped on one
 rank only, another declaration of the plain tensors. A rank whose aliasing
 check fails on a warm step still joins the all-reduce: every rank raises
-within seconds.
+within seconds. And the plans a scaler keeps leave an FSDP2 model movable:
+``module.to()`` swaps DTensor parameters with ``swap_tensors``, which refuses
+any tensor with a weak reference.
 """
 
 from __future__ import annotations
@@ -70,30 +72,27 @@ def _locals(params: list[nn.Parameter]) -> list[torch.Tensor | None]:
     ]
 
 
-def _run(params: list[nn.Parameter], config: Any) -> tuple[float, float, list[Any]]:
+def _run(params: list[nn.Parameter], config: Any, plans: Any) -> tuple[float, float, list[Any]]:
     from shardscale.core.step import Apply, StepRequest, run_step
 
     result = run_step(
         params, config, StepRequest(apply=Apply.MULTIPLY, norm_type=2.0, max_norm=0.5,
-        scale=torch.tensor(SCALE)),
+        scale=torch.tensor(SCALE), plans=plans),
     )  # fmt: skip
     assert result.norm is not None
     grads = [None if g is None else g.clone() for g in _locals(params)]
     return float(result.norm), float(result.found_inf), grads
 
 
-def _warm_and_cold(params: list[nn.Parameter], config: Any) -> dict[str, Any]:
-    from shardscale.core.step._plan import forget_plans, plans_of
-
+def _warm_and_cold(params: list[nn.Parameter], config: Any, plans: Any) -> dict[str, Any]:
     saved = [None if g is None else g.clone() for g in _locals(params)]
-    uses = sum(plan.uses for plan in plans_of(params[0]))
-    warm = _run(params, config)
-    reused = sum(plan.uses for plan in plans_of(params[0])) - uses
+    uses = sum(plan.uses for plan in plans)
+    warm = _run(params, config, plans)
+    reused = sum(plan.uses for plan in plans) - uses
     for g, s in zip(_locals(params), saved, strict=True):
         if g is not None:
             g.copy_(s)  # type: ignore[arg-type]
-    forget_plans(params[0])
-    cold = _run(params, config)
+    cold = _run(params, config, None)  # no plans: a cold step
     same = warm[:2] == cold[:2] and all(
         (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
         for a, b in zip(warm[2], cold[2], strict=True)
@@ -104,7 +103,10 @@ def _warm_and_cold(params: list[nn.Parameter], config: Any) -> dict[str, Any]:
 def _sequence_case() -> list[dict[str, Any]]:
     import dataclasses
 
+    from shardscale.core.step import StepPlans
+
     params, config = _setup()
+    plans = StepPlans()
     star = dataclasses.replace(config, distinct_dims=frozenset({"*"}))
     out = []
     for step, (what, cfg) in enumerate([
@@ -117,7 +119,7 @@ def _sequence_case() -> list[dict[str, Any]]:
             params[2].grad = None
         if what == "again" and dist.get_rank() == 1:
             params[2].grad = None
-        out.append({"what": what, **_warm_and_cold(params, cfg)})
+        out.append({"what": what, **_warm_and_cold(params, cfg, plans)})
     return out
 
 
@@ -135,16 +137,19 @@ def test_warm_fsdp2_steps_match_cold_ones_through_layout_changes(pool2: Pool) ->
 
 
 def _aliased_case() -> dict[str, Any]:
+    from shardscale.core.step import StepPlans
+
     params, config = _setup()
+    plans = StepPlans()
     for step in range(2):
         _new_grads(params, step)
-        _run(params, config)  # the second step is warm
+        _run(params, config, plans)  # the second step is warm
     _new_grads(params, 2)
     if dist.get_rank() == 1:
         params[-1].grad = params[-2].grad  # two replicas share one gradient on rank 1 only
     started = time.monotonic()
     try:
-        _run(params, config)
+        _run(params, config, plans)
         error = None
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
@@ -159,3 +164,57 @@ def test_a_warm_step_that_fails_on_one_rank_raises_on_every_rank(pool2: Pool) ->
     assert good["error"] is not None and good["error"].startswith("StepError"), good
     assert "rank(s) [1]" in good["error"], good
     assert max(good["elapsed"], bad["elapsed"]) < FAST
+
+
+def _module_move_case() -> dict[str, Any]:
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from shardscale.clip import unscale_and_clip_
+    from shardscale.core import ShardedGradScaler
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    model = copy.deepcopy(reference)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler("cpu", init_scale=SCALE)
+    moved, reports = [], []
+    for step in range(4):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        loss = model(x).square().mean()
+        scaler.scale(loss).backward()
+        if step == 2 and dist.get_rank() == 1:
+            next(iter(model[1].parameters())).grad._local_tensor[0] = float("inf")  # type: ignore[union-attr]
+        if step % 2:
+            scaler.unscale_(opt)
+        else:
+            unscale_and_clip_(scaler, opt, max_norm=1.0)
+        scaler.step(opt)
+        scaler.update()
+        if step == 2:
+            reports.append(str(scaler.overflow_report(module=model)))
+        opt.zero_grad()
+        # What verl's checkpoint and offload do between steps: every DTensor parameter swapped.
+        try:
+            model.to("cpu")
+            moved.append(True)
+        except RuntimeError as exc:
+            moved.append(f"{exc}: {exc.__cause__}")
+    return {"moved": moved, "skipped": [float(scaler.get_scale())], "reports": reports}
+
+
+def test_an_fsdp2_model_moves_between_scaler_steps(pool2: Pool) -> None:
+    results = pool2.run(_module_move_case, timeout=120)
+    for rank, out in enumerate(results):
+        assert isinstance(out, dict)
+        assert out["moved"] == [True] * 4, (rank, out["moved"])
+        # The inf on rank 1 at step 2: one backoff (2**-1) on every rank.
+        assert out["skipped"] == [SCALE / 2], (rank, out)
+        (report,) = out["reports"]
+        assert "skipped (overflow)" in report and "rank 1: 1.weight" in report, (rank, report)

@@ -18,9 +18,8 @@ import pytest
 import torch
 
 from shardscale.core import get_registry
-from shardscale.core.step import Apply, StepConfig, StepRequest, run_step
+from shardscale.core.step import Apply, StepConfig, StepPlans, StepRequest, run_step
 from shardscale.core.step._aliasing import AliasedGradientError
-from shardscale.core.step._plan import plans_of
 
 SCALE = 1024.0
 
@@ -49,19 +48,20 @@ def _copy(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
     return out
 
 
-def _step(params: list[torch.nn.Parameter], config: StepConfig) -> tuple[torch.Tensor, ...]:
+def _step(
+    params: list[torch.nn.Parameter], config: StepConfig, plans: StepPlans | None
+) -> tuple[torch.Tensor, ...]:
     result = run_step(
         params, config, StepRequest(apply=Apply.MULTIPLY, norm_type=2.0, max_norm=0.5,
-        scale=torch.tensor(SCALE)),
+        scale=torch.tensor(SCALE), plans=plans),
     )  # fmt: skip
     assert result.norm is not None
     return result.norm, result.found_inf
 
 
-def _same_as_cold(live: list[torch.nn.Parameter], config: StepConfig) -> None:
-    cold = _copy(live)  # new tensors: no plan can exist for them
-    assert not plans_of(cold[0])
-    got, want = _step(live, config), _step(cold, config)
+def _same_as_cold(live: list[torch.nn.Parameter], config: StepConfig, plans: StepPlans) -> None:
+    cold = _copy(live)  # new tensors, and no plans kept: always cold
+    got, want = _step(live, config, plans), _step(cold, config, None)
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
     for p, q in zip(live, cold, strict=True):
@@ -72,8 +72,8 @@ def _same_as_cold(live: list[torch.nn.Parameter], config: StepConfig) -> None:
             assert torch.equal(*dense)
 
 
-def _uses(params: list[torch.nn.Parameter]) -> list[int]:
-    return [plan.uses for plan in plans_of(params[0])]
+def _uses(plans: StepPlans) -> list[int]:
+    return [plan.uses for plan in plans]
 
 
 def _regrad(params: list[torch.nn.Parameter]) -> None:
@@ -85,13 +85,21 @@ def _regrad(params: list[torch.nn.Parameter]) -> None:
 
 
 def test_a_warm_step_reuses_the_plan_and_matches_a_cold_one() -> None:
-    live, config = _params(), _config()
-    _same_as_cold(live, config)
-    assert _uses(live) == [0]  # built, not yet reused
+    live, config, plans = _params(), _config(), StepPlans()
+    _same_as_cold(live, config, plans)
+    assert _uses(plans) == [0]  # built, not yet reused
     for k in range(3):
         _regrad(live)
-        _same_as_cold(live, config)
-        assert _uses(live) == [k + 1]
+        _same_as_cold(live, config, plans)
+        assert _uses(plans) == [k + 1]
+
+
+def test_a_step_without_plans_keeps_none() -> None:
+    live, config, plans = _params(), _config(), StepPlans()
+    _step(live, config, None)
+    _regrad(live)
+    _step(live, config, plans)
+    assert _uses(plans) == [0]  # the step without plans left nothing to reuse
 
 
 def _drop_a_grad(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
@@ -134,49 +142,49 @@ def _reorder(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
 def test_a_change_between_steps_rebuilds_and_matches_a_cold_step(
     change: Callable[[list[torch.nn.Parameter]], list[torch.nn.Parameter]],
 ) -> None:
-    live, config = _params(), _config()
-    _same_as_cold(live, config)
+    live, config, plans = _params(), _config(), StepPlans()
+    _same_as_cold(live, config, plans)
     _regrad(live)
-    _same_as_cold(live, config)  # warm
-    first = plans_of(live[0])
+    _same_as_cold(live, config, plans)  # warm
+    first = list(plans)
     live = change(live)
-    _same_as_cold(live, config)  # the change is seen: the result is the cold step's
+    _same_as_cold(live, config, plans)  # the change is seen: the result is the cold step's
     _regrad(live)
-    _same_as_cold(live, config)  # and the step after it too
+    _same_as_cold(live, config, plans)  # and the step after it too
     if change is not _make_a_grad_sparse:  # sparse layouts are never planned
-        assert plans_of(live[0]) and plans_of(live[0])[-1] not in first
+        assert list(plans) and list(plans)[-1] not in first
 
 
 def test_a_different_declaration_gets_its_own_plan() -> None:
-    live = _params()
+    live, plans = _params(), StepPlans()
     plain, own = _config(), _config(distinct_params=frozenset({id(live[0])}))
     for _ in range(2):
         for config in (plain, own):
             _regrad(live)
-            _step(live, config)
+            _step(live, config, plans)
     # One plan per declaration, each reused once: neither was taken for the other.
-    assert sorted(_uses(live)) == [1, 1]
+    assert sorted(_uses(plans)) == [1, 1]
 
 
 def test_aliased_grads_are_refused_on_a_warm_step() -> None:
     # Grads that share memory keep every class, shape and device the plan checks: the aliasing
     # check must still run on every step.
-    live, config = _params(), _config()
-    _step(live, config)
+    live, config, plans = _params(), _config(), StepPlans()
+    _step(live, config, plans)
     _regrad(live)
-    _step(live, config)
+    _step(live, config, plans)
     before = [p.grad.clone() for p in live]  # type: ignore[union-attr]
     live[3].grad = live[4].grad[:6]  # type: ignore[index]  # the same first element
     with pytest.raises(AliasedGradientError, match="share one gradient tensor"):
-        _step(live, config)
+        _step(live, config, plans)
     for p, g in zip(live[4:], before[4:], strict=True):
         assert torch.equal(p.grad, g)  # type: ignore[arg-type]  # nothing was written
 
 
-def test_a_plan_holds_neither_parameters_nor_gradients() -> None:
-    live, config = _params(), _config()
+def test_a_plan_holds_no_gradient_and_its_parameters_only_while_its_owner_lives() -> None:
+    live, config, plans = _params(), _config(), StepPlans()
     for _ in range(2):
-        _step(live, config)
+        _step(live, config, plans)
         _regrad(live)
     grads = [weakref.ref(p.grad) for p in live]  # type: ignore[arg-type]
     for param in live:
@@ -185,22 +193,54 @@ def test_a_plan_holds_neither_parameters_nor_gradients() -> None:
     gc.collect()
     assert all(g() is None for g in grads)
     params = [weakref.ref(p) for p in live]
-    plans = [weakref.ref(plan) for plan in plans_of(live[0])]
     del live
     gc.collect()
-    assert all(p() is None for p in params)
-    assert plans and all(plan() is None for plan in plans)
-
-
-def test_a_dead_parameter_kills_the_plan_even_if_its_address_is_reused() -> None:
-    live, config = _params(), _config()
-    _step(live, config)
-    (plan,) = plans_of(live[0])
-    live[5] = torch.nn.Parameter(torch.randn(8))  # the old one dies
-    live[5].grad = torch.randn(8) * SCALE
+    assert all(p() is not None for p in params)  # the plans' owner still steps them
+    del plans
     gc.collect()
-    assert not plan.alive
-    _same_as_cold(live, config)
+    assert all(p() is None for p in params)
+
+
+def test_a_plan_leaves_its_parameters_swappable() -> None:
+    # torch.utils.swap_tensors (module.to() on DTensor parameters, or on any parameter under
+    # torch.__future__.set_swap_module_params_on_conversion) refuses a tensor with a weak
+    # reference: a warm plan must hold none, and a swapped parameter must not pass for itself.
+    live, config, plans = _params(), _config(), StepPlans()
+    for _ in range(2):
+        _step(live, config, plans)
+        _regrad(live)
+    for param in live:
+        assert not weakref.getweakrefs(param)
+        grad = param.grad
+        param.grad = None
+        torch.utils.swap_tensors(param, torch.nn.Parameter(param.detach().double()))
+        param.grad = None if grad is None else grad.double()
+    assert all(p.dtype == torch.float64 for p in live)
+    _same_as_cold(live, config, plans)  # the same objects, another dtype: seen, rebuilt
+
+
+def test_a_replaced_parameter_rebuilds() -> None:
+    live, config, plans = _params(), _config(), StepPlans()
+    _step(live, config, plans)
+    (plan,) = plans
+    live[5] = torch.nn.Parameter(torch.randn(8))  # another tensor in its place
+    live[5].grad = torch.randn(8) * SCALE
+    _same_as_cold(live, config, plans)
+    assert list(plans) == [plans.find(plan.key, plan.catalog)]
+    assert plan not in list(plans) and plan.uses == 0  # replaced, never reused
+
+
+def test_plans_keep_at_most_their_limit() -> None:
+    with pytest.raises(ValueError, match="keep at least one plan"):
+        StepPlans(limit=0)
+    live, plans = _params(), StepPlans(limit=1)
+    plain, own = _config(), _config(distinct_params=frozenset({id(live[0])}))
+    _step(live, plain, plans)
+    _step(live, own, plans)
+    assert len(plans) == 1  # the second key pushed the first out
+    _regrad(live)
+    _step(live, plain, plans)
+    assert _uses(plans) == [0]  # so the first key's step ran cold again
 
 
 def test_registering_an_adapter_between_steps_rebuilds() -> None:
@@ -221,20 +261,20 @@ def test_registering_an_adapter_between_steps_rebuilds() -> None:
         def shardscale_grad_adapters(self) -> list[object]:
             return [_NoCount()]
 
-    live, config = _params(), _config()
+    live, config, plans = _params(), _config(), StepPlans()
     live[0]._not_counted = True  # type: ignore[attr-defined]
-    _step(live, config)  # the plain adapter counts live[0]: that is the plan
+    _step(live, config, plans)  # the plain adapter counts live[0]: that is the plan
     registry = get_registry()
     name = registry.register(_Plugin(), name="no-count")
     try:
         _regrad(live)
         cold, unmarked = _copy(live), _copy(live)
         cold[0]._not_counted = True  # type: ignore[attr-defined]
-        got, want = _step(live, config)[0], _step(cold, config)[0]
-        counted = _step(unmarked, config)[0]  # what the old plan would have said
+        got, want = _step(live, config, plans)[0], _step(cold, config, None)[0]
+        counted = _step(unmarked, config, None)[0]  # what the old plan would have said
         assert torch.equal(got, want)
         assert not torch.equal(got, counted)
-        assert all(plan.uses == 0 for plan in plans_of(live[0]))  # rebuilt, not reused
+        assert all(plan.uses == 0 for plan in plans)  # rebuilt, not reused
     finally:
         registry.unregister(name)
 
@@ -276,11 +316,12 @@ def test_an_adapter_with_layout_keys_is_asked_once_per_layout() -> None:
             p._layout = "ab"[i % 2]  # type: ignore[attr-defined]
         registry = get_registry()
         name = registry.register(_Plugin(), name=adapter.name)
+        plans = StepPlans()
         try:
-            norm = _step(live, _config())[0]
+            norm = _step(live, _config(), plans)[0]
             cold_calls = adapter.calls
             _regrad(live)
-            _step(live, _config())
+            _step(live, _config(), plans)
             assert adapter.calls == cold_calls  # warm: no adapter call at all
         finally:
             registry.unregister(name)

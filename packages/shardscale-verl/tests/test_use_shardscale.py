@@ -8,9 +8,9 @@ with ``engine.save_checkpoint``/``load_checkpoint``, as verl's
 ``TrainingWorker`` does (one mini-batch per RL step). The additions are what
 verl needs to run on a CPU (see ``_cpu_platform``): a CPU platform registered
 through verl's own ``PlatformRegistry``, ``attn_implementation="sdpa"`` and
-``strategy="fsdp2"``; and, around the one ``save_checkpoint`` whose resume is
-compared, verl's move of a CPU module to "the GPU" is skipped (see
-``_no_cpu_module_move``: a known core problem, held by an expected failure).
+``strategy="fsdp2"``. verl's ``save_checkpoint`` moves a CPU module "to the
+GPU" (``module.to("cpu")`` here, which swaps every DTensor parameter) and is
+run as it is.
 
 "shardscale" runs apply ``use_shardscale(engine)``; "torch" runs give the same
 engine torch's ``ShardedGradScaler`` on the CPU device, which is what verl
@@ -199,27 +199,6 @@ def _engine(
     return engine
 
 
-@contextlib.contextmanager
-def _no_cpu_module_move() -> Any:
-    """verl's save_checkpoint without its move of a CPU module to "the GPU" (a no-op here).
-
-    verl's ``save_checkpoint`` moves the module to the device when its parameters are on
-    the CPU (it takes that for parameter offload), which on a CPU machine is ``module.to("cpu")``.
-    torch does that with ``swap_tensors`` for FSDP2's DTensor parameters, which refuses any
-    parameter with a weak reference, and shardscale.core's step plans keep weak references to
-    the parameters (a core bug, reported; ``test_save_checkpoint_moves_the_module_after_a_step``
-    holds it). On a GPU without parameter offload verl does not move the module here.
-    """
-    from verl.workers.engine.fsdp import transformer_impl
-
-    original = transformer_impl.load_fsdp_model_to_gpu
-    transformer_impl.load_fsdp_model_to_gpu = lambda module: None
-    try:
-        yield
-    finally:
-        transformer_impl.load_fsdp_model_to_gpu = original
-
-
 # -- the data and the loss -----------------------------------------------------------------------
 
 
@@ -362,8 +341,7 @@ def _case(kind: str, workdir: str) -> dict[str, Any]:
     out["scaler"] = type(engine.scaler).__module__
     rows = _train(engine, range(SAVE_AFTER))
     out["params_at_save"] = _full_params(engine)
-    with _no_cpu_module_move():
-        engine.save_checkpoint(ckpt, global_step=SAVE_AFTER)
+    engine.save_checkpoint(ckpt, global_step=SAVE_AFTER)
     out["files"] = sorted(os.listdir(ckpt))
     rows += _train(engine, range(SAVE_AFTER, STEPS))
     out["rows"] = rows
@@ -641,12 +619,6 @@ def test_listed_by_the_registry_without_importing_verl() -> None:
     assert result == {"info": [["shardscale-verl", []]], "imported": False}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="shardscale.core's step plans keep weak references to FSDP2 parameters, and torch's "
-    "swap_tensors (module.to() on DTensor parameters) refuses them: verl's save_checkpoint on a "
-    "CPU, and its parameter offload on a GPU, fail after the first step (core bug, reported)",
-)
 def test_save_checkpoint_moves_the_module_after_a_step(
     pool2: Pool, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -7,7 +7,8 @@ cost. *Which parameters* is local knowledge: where the step read per-tensor
 norms (``unscale_and_clip_``, the check before a fused optimizer) their
 finiteness is kept as a small device tensor; where torch's unscale kernel ran
 (``unscale_``) only an aggregate flag exists, so the gradients are looked at
-again, if they are still alive. Turning that into names and gathering them
+again by ``step()`` when it skips (the host already knows then), before the
+iteration lets go of them at ``update()``. Turning that into names and gathering them
 from every rank costs a host read and one object all-gather, paid only when
 someone asks (:meth:`ShardedGradScaler.overflow_report`).
 """
@@ -38,8 +39,10 @@ class OverflowReport:
 
     ``ranks`` are the ranks (of the scaler's process group) with at least one
     non-finite local gradient; ``params`` maps each such rank to the names of
-    its parameters whose gradient was non-finite (``"?"`` entries mean the
-    gradient was already freed, so only the rank is known). ``reason`` is the
+    its parameters whose gradient was non-finite (``"?"``: a parameter that
+    neither the module nor the optimizer names; a rank without names: its
+    ``unscale_`` was not followed by ``step()``, so only the rank is known).
+    ``reason`` is the
     iteration's verdict (``scaler.last_skip_reason`` read on the host;
     ``SkipReason.NONE`` for a step taken), ``None`` before the first
     ``update()``. A step skipped for a spike or its loss has no non-finite
@@ -101,18 +104,15 @@ def _local_findings(iteration: _Iteration, module: torch.nn.Module | None) -> li
     for opt_ref, result in iteration:
         by_position = _position_names(opt_ref())
         finite = result.finite.cpu().tolist() if result.finite is not None else None
-        for i, (param_ref, tensor_ref) in enumerate(result.owners):
-            param = param_ref()
+        for i, (param_id, tensor) in enumerate(result.owners):
             if finite is not None:
                 bad = not finite[i]
+            elif tensor is None:  # let go after its iteration: only the flags could tell
+                continue
             else:
-                tensor = tensor_ref()
-                if tensor is None:
-                    continue
                 bad = not bool(torch.isfinite(tensor).all())
             if bad:
-                key = id(param) if param is not None else -1
-                found.append(by_module.get(key) or by_position.get(key) or "?")
+                found.append(by_module.get(param_id) or by_position.get(param_id) or "?")
     return found
 
 

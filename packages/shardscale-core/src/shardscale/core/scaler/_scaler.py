@@ -75,6 +75,7 @@ from shardscale.core.step import (
     Apply,
     PrecomputedNorms,
     StepConfig,
+    StepPlans,
     StepRequest,
     StepResult,
     poll_errors,
@@ -324,6 +325,10 @@ class ShardedGradScaler:
     _last_skipped: torch.Tensor | None
     _chain_verified: bool
     _optimizers: weakref.WeakSet[torch.optim.Optimizer]
+    #: The step plans of each optimizer's parameters, and of clip_grad_norm_'s last call
+    #: (see [Note: the step plan]): they hold parameters, so they live with their optimizer.
+    _plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepPlans]
+    _clip_plans: StepPlans
     _optimizers_known: bool
     _loss_scaling: bool
     _policies: tuple[BuiltinPolicy | SkipPolicy, ...]
@@ -431,6 +436,8 @@ class ShardedGradScaler:
         # complete once an update() ended an iteration that stepped them.
         self._optimizers = weakref.WeakSet()
         self._optimizers_known = False
+        self._plans = weakref.WeakKeyDictionary()
+        self._clip_plans = StepPlans(limit=1)
         self._kernels_name = check_kernels(kernels)
         self._backend_spec = backend
         self._backend: CollectiveBackend | None = None
@@ -667,10 +674,14 @@ class ShardedGradScaler:
             # Every rank's scaler reaches its first step together: check the chains there.
             config = dataclasses.replace(config, verify_chain=True)
             self._chain_verified = True
+        plans = self._plans.get(optimizer)
+        if plans is None:
+            plans = self._plans[optimizer] = StepPlans()
         result = run_step(
             optimizer_params(optimizer),
             config,
             StepRequest(
+                plans=plans,
                 apply=apply,
                 scale=options.pop("scale", self._scale),
                 scale_device_type=self._device,
@@ -903,6 +914,7 @@ class ShardedGradScaler:
             max_norm=max_norm,
             norm_type=norm_type,
             error_if_nonfinite=error_if_nonfinite,
+            plans=self._clip_plans,
         )
         self._last_grad_norm = norm
         return norm
@@ -1001,9 +1013,9 @@ class ShardedGradScaler:
         # they are alive (torch's unscale kernel only gives one flag), for overflow_report().
         for opt_ref, result in self._iteration:
             if opt_ref() is optimizer and result.finite is None:
-                alive = [t() for _, t in result.owners]
                 result.finite = torch.tensor(
-                    [t is None or bool(torch.isfinite(t).all()) for t in alive], dtype=torch.bool
+                    [t is None or bool(torch.isfinite(t).all()) for _, t in result.owners],
+                    dtype=torch.bool,
                 )
 
     def _fused_step(
@@ -1120,6 +1132,8 @@ class ShardedGradScaler:
         poll_errors()  # an accelerator step's error that already arrived surfaces here, no sync
         self._optimizers_known = bool(self._optimizers)
         self._per_optimizer_states = defaultdict(_OptimizerState)
+        for _, result in self._iteration:
+            result.owners.release()  # a kept iteration holds no gradient memory
         self._last_iteration, self._iteration = self._iteration, []
         self._loss_flag = self._loss_value = None
         self._step_count += 1
@@ -1366,7 +1380,8 @@ class ShardedGradScaler:
         """Which ranks and which parameters held non-finite gradients in the last iteration.
 
         Call it on **every** rank of the scaler's process group, after
-        ``update()`` and before the gradients are freed (``zero_grad``); it
+        ``update()`` (the gradients may be freed by then: a skipped ``step()``
+        noted which were non-finite); it
         gathers each rank's findings in one extra collective, so call it only
         when you want to know (e.g. when ``last_step_skipped`` is true). Clean
         steps pay nothing for this. ``module`` gives parameters their fully
@@ -1559,6 +1574,7 @@ class ShardedGradScaler:
         if not isinstance(state["_backend_spec"], (str, type(None))):
             state["_backend_spec"] = None
         state["_optimizers"] = None  # weak references do not copy; found again on first step
+        state["_plans"] = state["_clip_plans"] = None  # a copy starts cold
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -1601,3 +1617,4 @@ class ShardedGradScaler:
         # id()s do not survive a copy: take them again from the (copied) declared parameters.
         self._distinct_params = frozenset(id(p) for p in self._layout.distinct_params)
         self._optimizers, self._optimizers_known = weakref.WeakSet(), False
+        self._plans, self._clip_plans = weakref.WeakKeyDictionary(), StepPlans(limit=1)

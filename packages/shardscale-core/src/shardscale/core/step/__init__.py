@@ -31,6 +31,7 @@ from shardscale.core.step._contract import (
 )
 from shardscale.core.step._engine import read_tensor_norm, run_step
 from shardscale.core.step._errors import poll_errors
+from shardscale.core.step._plan import StepPlans
 from shardscale.core.step._types import (
     EPS,
     Apply,
@@ -53,6 +54,7 @@ __all__ = [
     "read_tensor_norm",
     "poll_errors",
     "VectorLayout",
+    "StepPlans",
     # what the clip functions share
     "clip_parameters_",
     "norm_dtype",

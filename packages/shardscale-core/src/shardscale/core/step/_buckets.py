@@ -8,7 +8,7 @@ stats kernels run once per group.
 from __future__ import annotations
 
 import collections
-import weakref
+import itertools
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GradBuckets",
-    "OwnerRefs",
+    "GradOwners",
     "Trace",
     "check_ranks",
     "dtensor_type",
@@ -78,38 +78,41 @@ class GradBuckets:
         return list(seen)
 
 
-_Refs = tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]
+class GradOwners(Collection[tuple[int, "torch.Tensor | None"]]):
+    """Whose gradient each local tensor a step read was, in bucket order, as two columns.
 
-
-class OwnerRefs(Collection[_Refs]):
-    """(parameter, local tensor) weak references in bucket order, kept as two columns.
-
-    A step keeps them for overflow localisation. Two lists of plain weak
-    references (CPython shares one per tensor) instead of one tuple per
-    tensor: with 10^4 parameters, 10^4 tuples per step kept past the step
-    were enough to set off full garbage collections of the whole heap.
+    The scaler keeps them for overflow localisation: ``ids`` are the owning
+    parameters' ``id()`` s (names come from the module or the optimizer that
+    holds them), ``tensors`` the local gradients, looked at again by a skipped
+    ``step()`` whose kernel gave only one flag. No weak references: torch's
+    ``swap_tensors`` (``module.to()`` on DTensor parameters, or on any
+    parameter under ``torch.__future__.set_swap_module_params_on_conversion``)
+    refuses a tensor that has one. No parameter either: a kept iteration must
+    not keep a model alive. The gradients are let go with :meth:`release`
+    once the iteration is over, so a kept iteration holds no gradient memory.
+    Two lists instead of one tuple per tensor: with 10^4 parameters, 10^4
+    tuples per step kept past the step set off full garbage collections.
     """
 
-    __slots__ = ("params", "tensors")
+    __slots__ = ("ids", "tensors")
 
-    def __init__(
-        self, params: list[weakref.ref[torch.Tensor]], tensors: list[weakref.ref[torch.Tensor]]
-    ) -> None:
-        if len(params) != len(tensors):
-            raise ValueError(f"{len(params)} parameter references for {len(tensors)} tensors")
-        self.params = params
-        self.tensors = tensors
+    def __init__(self, ids: list[int], tensors: list[torch.Tensor]) -> None:
+        if len(ids) != len(tensors):
+            raise ValueError(f"{len(ids)} parameters for {len(tensors)} tensors")
+        self.ids = ids
+        self.tensors: list[torch.Tensor] | None = tensors
 
-    @classmethod
-    def of(cls, params: Iterable[torch.Tensor], tensors: Iterable[torch.Tensor]) -> OwnerRefs:
-        """References to ``params`` and ``tensors`` (parallel iterables)."""
-        return cls(list(map(weakref.ref, params)), list(map(weakref.ref, tensors)))
+    def release(self) -> None:
+        """Let go of the local tensors (the ids stay, for the names)."""
+        self.tensors = None
 
     def __len__(self) -> int:
-        return len(self.params)
+        return len(self.ids)
 
-    def __iter__(self) -> Iterator[_Refs]:
-        return zip(self.params, self.tensors, strict=True)
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor | None]]:
+        if self.tensors is None:
+            return zip(self.ids, itertools.repeat(None))
+        return zip(self.ids, self.tensors, strict=True)
 
     def __contains__(self, item: object) -> bool:
         return any(pair == item for pair in self)

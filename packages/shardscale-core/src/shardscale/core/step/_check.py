@@ -16,11 +16,7 @@ from shardscale.core.step._contract import ALL_RANKS, check_max_norm, check_norm
 from shardscale.core.step._errors import (
     GradientDeviceError,
 )
-from shardscale.core.step._plan import (
-    build_plan,
-    remember_plan,
-    replicas_unchanged,
-)
+from shardscale.core.step._plan import build_plan, replicas_unchanged
 from shardscale.core.step._verdict import Verdict
 
 if TYPE_CHECKING:
@@ -62,8 +58,8 @@ def check(
     except Exception as exc:
         local.record(exc)
         return
-    if local.seed is not None and local.plan is not None:
-        remember_plan(items, local.plan)  # every check passed: the next step may reuse it
+    if local.seed is not None and local.plan is not None and request.plans is not None:
+        request.plans.remember(local.plan)  # every check passed: the next step may reuse it
 
 
 def _check_devices(buckets: GradBuckets, scale: torch.Tensor | None, expect: str | None) -> None:

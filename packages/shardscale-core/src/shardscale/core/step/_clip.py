@@ -14,6 +14,7 @@ import torch
 
 from shardscale.core.step._contract import check_error_if_nonfinite, nonfinite_norm_error
 from shardscale.core.step._engine import run_step
+from shardscale.core.step._plan import StepPlans
 from shardscale.core.step._types import Apply, StepConfig, StepRequest
 
 __all__ = ["clip_parameters_", "norm_dtype"]
@@ -55,6 +56,7 @@ def clip_parameters_(
     max_norm: float,
     norm_type: float,
     error_if_nonfinite: bool,
+    plans: StepPlans | None = None,
 ) -> torch.Tensor:
     """Clip ``params``' (unscaled) gradients by their global norm; return it in torch's dtype.
 
@@ -63,7 +65,8 @@ def clip_parameters_(
     checked by the step's contract (a bad value on one rank makes every rank
     raise); with ``error_if_nonfinite`` a non-finite norm raises on every rank
     before any gradient changes. Warns, as FSDP1 does, on a rank without
-    gradients (it still joins the reduction).
+    gradients (it still joins the reduction). ``plans``: where the caller keeps
+    the step plan of these parameters (None: a cold step).
     """
     nonfinite = (
         nonfinite_norm_error(norm_type) if check_error_if_nonfinite(error_if_nonfinite) else None
@@ -72,7 +75,11 @@ def clip_parameters_(
         params,
         config,
         StepRequest(
-            apply=Apply.MULTIPLY, norm_type=norm_type, max_norm=max_norm, nonfinite_error=nonfinite
+            apply=Apply.MULTIPLY,
+            norm_type=norm_type,
+            max_norm=max_norm,
+            nonfinite_error=nonfinite,
+            plans=plans,
         ),
     )
     assert result.norm is not None

@@ -5,17 +5,13 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
-from shardscale.core.step._buckets import GradBuckets, OwnerRefs, Trace
+from shardscale.core.step._buckets import GradBuckets, GradOwners, Trace
 from shardscale.core.step._collect import collect_grads
-from shardscale.core.step._plan import (
-    find_plan,
-    warm_buckets,
-)
+from shardscale.core.step._plan import warm_buckets
 
 if TYPE_CHECKING:
     pass
@@ -42,7 +38,8 @@ def collect(items: list[torch.Tensor], config: StepConfig, request: StepRequest)
             config.distinct_params,
         )
         catalog = config.registry.catalog_token()
-        plan = find_plan(items, key, catalog)
+        plans = request.plans
+        plan = plans.find(key, catalog) if plans is not None and items else None
         if plan is not None:
             warm = warm_buckets(plan, items, as_grads=request.as_grads)
             if warm is not None:
@@ -60,18 +57,19 @@ def collect(items: list[torch.Tensor], config: StepConfig, request: StepRequest)
             as_grads=request.as_grads,
             trace=trace,
         )
-        local.seed = (key, catalog, trace)
+        if plans is not None:  # someone keeps plans: build one once the checks pass
+            local.seed = (key, catalog, trace)
     except Exception as exc:
         local.record(exc)
     return local
 
 
-def owners_of(local: LocalStep) -> OwnerRefs:
-    """(parameter, local tensor) weak references in bucket order, for overflow localisation."""
-    tensors = itertools.chain.from_iterable(local.buckets.every.values())
+def owners_of(local: LocalStep) -> GradOwners:
+    """(parameter, local tensor) in bucket order, for overflow localisation."""
+    tensors = list(itertools.chain.from_iterable(local.buckets.every.values()))
     if local.plan is not None and local.error is None:  # warm, or built from these buckets
-        return OwnerRefs(local.plan.owner_refs, list(map(weakref.ref, tensors)))
-    return OwnerRefs.of(local.buckets.params(), tensors)
+        return GradOwners(local.plan.owner_ids, tensors)
+    return GradOwners(list(map(id, local.buckets.params())), tensors)
 
 
 def _group_ranks(config: StepConfig) -> tuple[int, ...] | None:

@@ -9,9 +9,9 @@ gradients. None of it changes from one step to the next unless the layout
 does, so the first step on a layout keeps its answers in a :class:`StepPlan`
 and later steps check, in bulk, that they still hold:
 
-* the same parameters, in the same order: a weak reference per parameter
-  must give back exactly that tensor (a freed one's reference is dead, so a
-  new tensor at its address cannot pass for it);
+* the same parameters, in the same order: the plan holds each one, and each
+  must be exactly (``is``) the tensor of the step (held, none can be freed
+  and have a new tensor take its address);
 * each gradient's presence and class: ``type(grad)`` per parameter (``None``
   when absent), no plain gradient turned sparse, each DTensor gradient's
   ``_spec`` equal to the one the plan was built for (its mesh, placements
@@ -35,9 +35,16 @@ kept only after a step whose checks all passed; only adapters that declare
 layout and the step's context: the built-in ones) are planned; a step with
 any other adapter, or with sparse gradients, always runs cold.
 
-The plan holds no tensor: parameters through weak references, gradients not
-at all. It lives in a table keyed weakly by the step's first tensor, so it
-goes when the parameters go.
+Who keeps a plan: the caller that steps the same tensors again, through a
+:class:`StepPlans` it owns and passes in ``StepRequest.plans`` (the scaler
+keeps one per optimizer, keyed weakly on the optimizer, so a plan lives no
+longer than the optimizer that holds the same parameters). A call without one
+(the clip functions) runs cold and keeps nothing. A plan holds its parameters
+through plain references, never weak ones: torch's ``swap_tensors`` (what
+``module.to()`` does to DTensor parameters, and to every parameter under
+``torch.__future__.set_swap_module_params_on_conversion``) refuses a tensor
+with a weak reference, and a Python reference does not count against its
+use-count check. Gradients it holds not at all.
 """
 
 from __future__ import annotations
@@ -45,24 +52,19 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
-import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from shardscale.core.step._arith import StepScratch
 from shardscale.core.step._buckets import GradBuckets, Trace, dtensor_type
 
 __all__ = [
     "StepPlan",
+    "StepPlans",
     "build_plan",
-    "find_plan",
-    "forget_plans",
-    "plans_of",
-    "remember_plan",
     "replicas_unchanged",
     "warm_buckets",
 ]
@@ -71,12 +73,7 @@ _GRAD = operator.attrgetter("grad")
 _SPEC = operator.attrgetter("_spec")
 _LOCAL = operator.attrgetter("_local_tensor")
 _SPARSE = operator.attrgetter("is_sparse")
-#: Calls a weak reference: its tensor, or None once freed (``operator.call`` from 3.11).
-_CALL = weakref.ref.__call__
 _Key = tuple[torch.device, torch.dtype]
-
-#: Plans per step key for one first tensor: a few callers (a scaler, a clip call) at most.
-_PER_FIRST = 4
 
 
 @dataclass(slots=True, eq=False)
@@ -91,14 +88,14 @@ class _PlanBucket:
     counted_index: dict[torch.device, torch.Tensor] = field(default_factory=dict)
 
 
-@dataclass(slots=True, eq=False, weakref_slot=True)
+@dataclass(slots=True, eq=False)
 class StepPlan:
     """The answers of one cold step's collect and check stages (see [Note: the step plan])."""
 
     key: Hashable
     catalog: object
-    #: A weak reference per tensor of the step, in order: the same tensors, none freed.
-    refs: list[weakref.ref[torch.Tensor]]
+    #: The tensors of the step, in order (plain references: see the note).
+    params: list[torch.Tensor]
     grad_types: list[type]
     #: Positions of the tensors that have a gradient (None: all of them).
     present: list[int] | None
@@ -106,8 +103,8 @@ class StepPlan:
     dtensor: list[bool]
     specs: list[Any]
     buckets: list[_PlanBucket]
-    #: (parameter, local tensor) weak references' first half, in bucket order.
-    owner_refs: list[weakref.ref[torch.Tensor]]
+    #: The ``id()`` of each local tensor's owner, in bucket order (for overflow localisation).
+    owner_ids: list[int]
     #: Positions of the plain replicated tensors the declarations describe, their
     #: (shape, dtype) and their listing, once a step with a norm made it.
     replica_positions: list[int] = field(default_factory=list)
@@ -126,11 +123,6 @@ class StepPlan:
         if hit is None:
             hit = self.scratches[me] = StepScratch()
         return hit
-
-    @property
-    def alive(self) -> bool:
-        """Whether every tensor the plan was built for still lives."""
-        return not any(map(operator.is_, map(_CALL, self.refs), itertools.repeat(None)))
 
     def remember_replicas(
         self, items: Sequence[torch.Tensor], positions: list[int], listing: str
@@ -153,51 +145,46 @@ class StepPlan:
         raise KeyError(key)
 
 
-_plans: WeakIdKeyDictionary = WeakIdKeyDictionary()
+class StepPlans:
+    """The step plans one owner keeps for the tensors it steps (see [Note: the step plan]).
 
+    At most ``limit``, one per step key (group, ranks, declarations); a plan
+    is looked up by key and then checked against the step's tensors, so an
+    owner whose tensors change (a new parameter group) simply rebuilds, and
+    the new plan lets go of the old tensors.
+    """
 
-def _table(first: torch.Tensor) -> dict[Hashable, StepPlan] | None:
-    if first not in _plans:
-        return None
-    table: dict[Hashable, StepPlan] = _plans[first]
-    return table
+    __slots__ = ("_limit", "_table")
 
+    def __init__(self, *, limit: int = 4) -> None:
+        if limit < 1:
+            raise ValueError(f"StepPlans(limit={limit!r}): keep at least one plan")
+        self._limit = limit
+        self._table: dict[Hashable, StepPlan] = {}
 
-def plans_of(first: torch.Tensor) -> list[StepPlan]:
-    """The plans kept for steps whose first tensor is ``first`` (for tests and diagnostics)."""
-    table = _table(first)
-    return list(table.values()) if table is not None else []
+    def __len__(self) -> int:
+        return len(self._table)
 
+    def __iter__(self) -> Iterator[StepPlan]:
+        return iter(list(self._table.values()))
 
-def forget_plans(first: torch.Tensor) -> None:
-    """Drop the plans kept for steps whose first tensor is ``first`` (the next step runs cold)."""
-    if first in _plans:
-        del _plans[first]
+    def find(self, key: Hashable, catalog: object) -> StepPlan | None:
+        """The plan kept under ``key`` for this registry ``catalog``, if any (not yet validated)."""
+        plan = self._table.get(key)
+        if plan is None or plan.catalog is not catalog:
+            return None
+        return plan
 
+    def remember(self, plan: StepPlan) -> None:
+        """Keep ``plan`` for the next step (replacing one under the same key)."""
+        self._table.pop(plan.key, None)
+        while len(self._table) >= self._limit:
+            self._table.pop(next(iter(self._table)))  # the oldest
+        self._table[plan.key] = plan
 
-def find_plan(items: Sequence[torch.Tensor], key: Hashable, catalog: object) -> StepPlan | None:
-    """The live plan kept for these tensors under ``key``, if any (not yet validated)."""
-    if not items:
-        return None
-    table = _table(items[0])
-    if table is None:
-        return None
-    plan = table.get(key)
-    if plan is None or plan.catalog is not catalog:
-        return None
-    return plan
-
-
-def remember_plan(items: Sequence[torch.Tensor], plan: StepPlan) -> None:
-    """Keep ``plan`` for the next step on these tensors (replacing one under the same key)."""
-    table = _table(items[0])
-    if table is None:
-        table = {}
-        _plans[items[0]] = table
-    table.pop(plan.key, None)
-    while len(table) >= _PER_FIRST:
-        table.pop(next(iter(table)))  # the oldest
-    table[plan.key] = plan
+    def clear(self) -> None:
+        """Drop every plan: the next step runs cold."""
+        self._table.clear()
 
 
 def build_plan(
@@ -250,11 +237,9 @@ def build_plan(
             bucket_key: [slot[id(t)] for t in tensors]
             for bucket_key, tensors in buckets.every.items()
         }
-    # Plain weak references, no callback: torch and CPython share one per tensor, so a cold
-    # step allocates (and the garbage collector later walks) nothing per parameter for them.
-    refs = list(map(weakref.ref, items))
+    params = list(items)
     plan_buckets: list[_PlanBucket] = []
-    owner_refs: list[weakref.ref[torch.Tensor]] = []
+    owner_params: list[torch.Tensor] = []
     all_items = len(buckets.every) == 1 and len(present_positions) == len(items)
     for bucket_key in buckets.every:
         members = members_of[bucket_key]
@@ -263,7 +248,7 @@ def build_plan(
         plan_buckets.append(
             _PlanBucket(bucket_key, members, owners, list(buckets.counts_mask[bucket_key]))
         )
-        owner_refs.extend(refs if all_items else _pick(refs, owner_positions))
+        owner_params.extend(params if all_items else _pick(params, owner_positions))
     return StepPlan(
         key=key,
         catalog=catalog,
@@ -272,8 +257,8 @@ def build_plan(
         dtensor=dtensor,
         specs=specs,
         buckets=plan_buckets,
-        owner_refs=owner_refs,
-        refs=refs,
+        owner_ids=list(map(id, owner_params)),
+        params=params,
     )
 
 
@@ -296,8 +281,8 @@ def warm_buckets(
     plan: StepPlan, items: Sequence[torch.Tensor], *, as_grads: bool
 ) -> GradBuckets | None:
     """This step's buckets through ``plan``, or None when anything the plan rests on changed."""
-    if len(items) != len(plan.refs) or not all(map(operator.is_, map(_CALL, plan.refs), items)):
-        return None  # other tensors, or one of the plan's was freed (its reference is dead)
+    if len(items) != len(plan.params) or not all(map(operator.is_, plan.params, items)):
+        return None  # other tensors, or the same ones in another order
     grads: Sequence[Any] = items if as_grads else list(map(_GRAD, items))
     if list(map(type, grads)) != plan.grad_types:
         return None  # a gradient appeared, went away, or changed class

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import enum
 import math
-import weakref
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -13,16 +11,14 @@ import torch
 
 from shardscale.core._protocols import AdapterContext, CollectiveBackend
 from shardscale.core.step._arith import StepScratch
-from shardscale.core.step._buckets import GradBuckets, Trace
+from shardscale.core.step._buckets import GradBuckets, GradOwners, Trace
 from shardscale.core.step._errors import (
     ErrorBlocks,
     drop_pending,
     error_code,
     raise_step_errors,
 )
-from shardscale.core.step._plan import (
-    StepPlan,
-)
+from shardscale.core.step._plan import StepPlan, StepPlans
 from shardscale.core.step._vector import VectorLayout
 from shardscale.core.step._verdict import Verdict
 
@@ -130,6 +126,9 @@ class StepRequest:
             loss; carried in the vector so that every rank skips.
         loss: 0-dim, the sum of the losses this rank observed in the iteration
             (for ``verdict.policies``), or None.
+        plans: where the caller keeps the plans of the tensors it steps again
+            (see [Note: the step plan] in ``_plan``); None runs the step cold
+            and keeps nothing.
 
     ``norm_type`` and ``max_norm`` are as the caller passed them: the check
     stage validates them against the contract, so that a bad value on one
@@ -151,6 +150,7 @@ class StepRequest:
     verdict: Verdict | None = None
     loss_nonfinite: torch.Tensor | None = None
     loss: torch.Tensor | None = None
+    plans: StepPlans | None = None
 
     def __post_init__(self) -> None:
         # The caller's own contract with the engine: a programming error, raised at once.
@@ -184,9 +184,7 @@ class StepResult:
     vector: torch.Tensor
     world_size: int
     #: (parameter, local tensor) of every local gradient read, for overflow localisation.
-    owners: Collection[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = field(
-        default_factory=list
-    )
+    owners: GradOwners = field(default_factory=lambda: GradOwners([], []))
     #: Per local tensor (same order as ``owners``): True where it was finite; None if unknown.
     finite: torch.Tensor | None = None
     rank: int = 0
