@@ -31,7 +31,13 @@ import torch
 
 from shardscale.clip._streaming import StreamingStats
 from shardscale.core import ShardedGradScaler
-from shardscale.core.step import check_max_norm, check_norm_type, kernels_name, optimizer_params
+from shardscale.core.step import (
+    check_max_norm,
+    check_norm_type,
+    eager,
+    kernels_name,
+    optimizer_params,
+)
 
 __all__ = ["unscale_and_clip_"]
 
@@ -49,6 +55,7 @@ def _check_call(scaler: object, optimizer: object) -> None:
         )
 
 
+@eager
 def unscale_and_clip_(
     scaler: ShardedGradScaler,
     optimizer: torch.optim.Optimizer,

@@ -23,6 +23,7 @@ from shardscale.core.step import (
     check_error_if_nonfinite,
     clip_parameters_,
     distinct_param_ids,
+    eager,
     kernels_name,
     nonfinite_norm_error,
     norm_dtype,
@@ -70,6 +71,7 @@ def _config(
     )
 
 
+@eager
 def get_total_norm(
     tensors: TensorOrTensors,
     norm_type: float = 2.0,
@@ -145,6 +147,7 @@ def get_total_norm(
     return result.norm.to(norm_dtype(items))
 
 
+@eager
 def clip_grad_norm_(
     parameters: TensorOrTensors,
     max_norm: float,

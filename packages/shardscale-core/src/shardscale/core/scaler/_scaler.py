@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, overload
 import torch
 from torch.amp.grad_scaler import OptState
 
+from shardscale.core._eager import eager
 from shardscale.core._errors import DeclarationError
 from shardscale.core._protocols import AdapterContext, CollectiveBackend, StepRecord
 from shardscale.core._registry import Registry, get_registry
@@ -558,6 +559,7 @@ class ShardedGradScaler:
     @overload
     def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
 
+    @eager
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> Any:
         """Multiply a tensor (or nested lists/tuples of tensors) by the scale factor."""
         if not self._enabled:
@@ -776,6 +778,7 @@ class ShardedGradScaler:
             "optimizer as built, or build it with fused=True where torch has a fused kernel"
         )
 
+    @eager
     def unscale_(
         self,
         optimizer: torch.optim.Optimizer,
@@ -863,6 +866,7 @@ class ShardedGradScaler:
         self._last_grad_norm = result.norm
         return result.norm
 
+    @eager
     def clip_grad_norm_(
         self,
         parameters: torch.Tensor | Iterable[torch.Tensor],
@@ -961,6 +965,7 @@ class ShardedGradScaler:
 
     # -- step ----------------------------------------------------------------------------------
 
+    @eager
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (if not done yet) and call ``optimizer.step()`` unless any rank overflowed.
 
@@ -1084,6 +1089,7 @@ class ShardedGradScaler:
 
     # -- update --------------------------------------------------------------------------------
 
+    @eager
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Back the scale off if any optimizer overflowed, grow it after ``growth_interval`` clean steps.
 
@@ -1376,6 +1382,7 @@ class ShardedGradScaler:
             hysteresis=self._hysteresis, min_scale=self._min_scale, max_scale=self._max_scale
         )
 
+    @eager
     def overflow_report(self, module: torch.nn.Module | None = None) -> OverflowReport:
         """Which ranks and which parameters held non-finite gradients in the last iteration.
 
@@ -1443,6 +1450,7 @@ class ShardedGradScaler:
                 state[f"policy.{policy.name}"] = self._plugin_pending[policy.name]
         return state
 
+    @eager
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state written by this class or by torch's GradScaler/ShardedGradScaler.
 

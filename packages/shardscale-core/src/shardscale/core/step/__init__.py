@@ -16,6 +16,7 @@ module.
 
 from __future__ import annotations
 
+from shardscale.core._eager import eager
 from shardscale.core.step._buckets import GradBuckets, optimizer_params
 from shardscale.core.step._clip import clip_parameters_, norm_dtype
 from shardscale.core.step._collect import collect_grads
@@ -55,6 +56,7 @@ __all__ = [
     "poll_errors",
     "VectorLayout",
     "StepPlans",
+    "eager",
     # what the clip functions share
     "clip_parameters_",
     "norm_dtype",
