@@ -68,10 +68,10 @@ TEST_FRAMEWORKS = ["trl==1.16.0", "torchtitan==0.3.0"]
 # torch takes about 2 minutes (7.5 with five other installs on the machine; a 2 GB venv).
 VERL_DIST = "shardscale-verl"
 VERL = "verl==0.9.1"
-# What the verl session installs from this tree besides shardscale-verl's own dependencies: the
-# CLI, for ``shardscale plugins``/``doctor`` and the packaging checks.
-VERL_TREE = ["shardscale-core", "shardscale-collectives", "shardscale-clip", "shardscale-fsdp",
-             "shardscale-telemetry", "shardscale", VERL_DIST]  # fmt: skip
+# What the verl session installs from this tree: shardscale-verl and the CLI (for ``shardscale
+# plugins``/``doctor`` and the packaging checks), with every distribution of this tree they
+# depend on (``_local_closure`` reads them from the pyprojects: a new one cannot be forgotten).
+VERL_ROOTS = [VERL_DIST, "shardscale"]
 # Extras the tests session installs with their distribution (the observers' own libraries).
 TEST_EXTRAS = {"shardscale-telemetry": "tensorboard,wandb"}
 # numpy: torch's own test-side tools (CommDebugMode, all_gather_object, DCP) import it.
@@ -84,6 +84,25 @@ TEST_PLUGINS = sorted(
     p.parent for p in (ROOT / "integration_tests" / "plugins").glob("*/pyproject.toml")
 )
 WHEELHOUSE = ROOT / ".nox" / "_wheels"
+
+
+def _local_closure(roots: list[str]) -> list[str]:
+    """``roots`` and every distribution of packages/ they depend on, transitively, sorted."""
+    import tomllib
+
+    local = {d.name for d in (ROOT / "packages").iterdir() if (d / "pyproject.toml").exists()}
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        dist = todo.pop()
+        if dist in seen:
+            continue
+        seen.add(dist)
+        with open(ROOT / "packages" / dist / "pyproject.toml", "rb") as f:
+            requires = tomllib.load(f)["project"].get("dependencies", [])
+        names = (re.split(r"[\s\[<>=!~;]", r, maxsplit=1)[0] for r in requires)
+        todo.extend(n for n in names if n in local)
+    return sorted(seen)
 
 
 def _install_torch(session: nox.Session, version: str) -> None:
@@ -519,7 +538,9 @@ def verl(session: nox.Session) -> None:
     session.install(*TEST_DEPS)
     # torch pinned in the same command: verl must not pull another torch.
     session.install(
-        f"torch=={DEFAULT_TORCH}", VERL, *(str(ROOT / "packages" / d) for d in VERL_TREE)
+        f"torch=={DEFAULT_TORCH}",
+        VERL,
+        *(str(ROOT / "packages" / d) for d in _local_closure(VERL_ROOTS)),
     )
     session.run("python", "-c", "import torch, verl; print('torch', torch.__version__, "
                 "'verl', verl.__version__)")  # fmt: skip
