@@ -72,6 +72,15 @@ VERL = "verl==0.9.1"
 # plugins``/``doctor`` and the packaging checks), with every distribution of this tree they
 # depend on (``_local_closure`` reads them from the pyprojects: a new one cannot be forgotten).
 VERL_ROOTS = [VERL_DIST, "shardscale"]
+# shardscale-rlinf runs in a venv of its own (``nox -s rlinf``): RLinf 0.3.0 imports
+# transformers' AutoModelForVision2Seq (gone in transformers 5) and does not declare transformers
+# (its FSDP manager imports it), so the session pins the last 4.x RLinf's extras allow. Its own
+# dependencies (ray, datasets, wandb, ... 155 distributions; no CUDA, torch stays) take minutes.
+RLINF_DIST = "shardscale-rlinf"
+RLINF = "rlinf==0.3.0"
+RLINF_TRANSFORMERS = "transformers==4.57.6"
+# What the rlinf session installs from this tree (as the verl session: with their closure).
+RLINF_ROOTS = [RLINF_DIST, "shardscale"]
 # Extras the tests session installs with their distribution (the observers' own libraries).
 TEST_EXTRAS = {"shardscale-telemetry": "tensorboard,wandb"}
 # numpy: torch's own test-side tools (CommDebugMode, all_gather_object, DCP) import it.
@@ -497,8 +506,10 @@ def typecheck(session: nox.Session) -> None:
     _install_torch(session, DEFAULT_TORCH)
     session.install("mypy>=1.10", "pluggy>=1.3", "rich", "matplotlib")
     session.install(f"torch=={DEFAULT_TORCH}", *FRAMEWORKS)  # the integrations' base classes
-    # shardscale-verl's sources too: verl itself is not installed here (mypy skips its imports).
-    session.run("mypy", *(str(ROOT / "packages" / d / "src") for d in [*DISTS, VERL_DIST]))
+    # shardscale-verl's and shardscale-rlinf's sources too: verl and RLinf are not installed here
+    # (mypy skips their imports).
+    session.run("mypy", *(str(ROOT / "packages" / d / "src") for d in [*DISTS, VERL_DIST,
+                                                                       RLINF_DIST]))  # fmt: skip
 
 
 @nox.session(python=PYTHON)
@@ -569,6 +580,46 @@ def verl(session: nox.Session) -> None:
         )
 
 
+@nox.session(python=PYTHON)
+def rlinf(session: nox.Session) -> None:
+    """shardscale-rlinf's tests with RLinf's real FSDPModelManager (RLinf 0.3.0) on 2 gloo ranks.
+
+    A venv of its own (RLinf 0.3.0 needs transformers 4.x); fails if any of the tests was
+    skipped, so an RLinf that stops importing cannot turn the session green. Not part of
+    ``nox -s tests``.
+    """
+    _install_torch(session, DEFAULT_TORCH)
+    session.install(*TEST_DEPS)
+    # torch pinned in the same command: RLinf must not pull another torch.
+    session.install(f"torch=={DEFAULT_TORCH}", RLINF, RLINF_TRANSFORMERS,
+                    *(str(ROOT / "packages" / d) for d in _local_closure(RLINF_ROOTS)))  # fmt: skip
+    session.run("python", "-c", "import torch, transformers, importlib.metadata as md; "
+                "print('torch', torch.__version__, 'rlinf', md.version('rlinf'), "
+                "'transformers', transformers.__version__)")  # fmt: skip
+    listed = session.run("shardscale", "plugins", silent=True)
+    if "shardscale-rlinf" not in str(listed):
+        session.error(f"`shardscale plugins` does not list shardscale-rlinf:\n{listed}")
+    checked = session.run("shardscale", "doctor", "--json", silent=True, success_codes=[0, 1])
+    if not re.search(r'"check": "shardscale-rlinf",\s*"status": "ok"', str(checked)):
+        session.error(f"`shardscale doctor` does not find shardscale-rlinf with rlinf:\n{checked}")
+    junit = Path(session.create_tmp()) / "rlinf-junit.xml"
+    tests = [str(ROOT / "packages" / RLINF_DIST / "tests"),
+             str(ROOT / "packages" / "shardscale" / "tests" / "test_packaging.py")]  # fmt: skip
+    session.run("pytest", *tests, "--junitxml", str(junit), *session.posargs)
+    import xml.etree.ElementTree as ET
+
+    ran = [
+        c for c in ET.parse(junit).getroot().iter("testcase") if "rlinf" in str(c.get("classname"))
+    ]
+    if not ran:
+        session.error("no shardscale-rlinf test ran")
+    skipped = [s for s in _skips_outside_xfail(junit) if "rlinf" in s.split(": ")[0]]
+    if skipped:
+        session.error(
+            "rlinf tests were skipped here, where RLinf is installed:\n" + "\n".join(skipped)
+        )
+
+
 def _build_wheels(session: nox.Session) -> None:
     if WHEELHOUSE.exists():
         shutil.rmtree(WHEELHOUSE)
@@ -583,12 +634,13 @@ def _build_wheels(session: nox.Session) -> None:
         str(WHEELHOUSE),
         *_package_dirs(),
         str(ROOT / "packages" / VERL_DIST),
+        str(ROOT / "packages" / RLINF_DIST),
         silent=True,
     )
 
 
 @nox.session(python=PYTHON)
-@nox.parametrize("dist", [*DISTS, VERL_DIST])
+@nox.parametrize("dist", [*DISTS, VERL_DIST, RLINF_DIST])
 def isolated(session: nox.Session, dist: str) -> None:
     """Install one distribution alone (only its declared dependencies) and run its own tests."""
     _build_wheels(session)

@@ -19,9 +19,9 @@ REPO = Path(__file__).resolve().parents[3]
 DISTS = ["shardscale-core", "shardscale-collectives", "shardscale-clip", "shardscale-fsdp",
          "shardscale-telemetry", "shardscale-schedules", "shardscale"]  # fmt: skip
 # Not dependencies of shardscale: checked where installed (the tests session; shardscale-verl
-# in the verl session), skipped alone.
+# in the verl session, shardscale-rlinf in the rlinf session), skipped alone.
 INTEGRATIONS = ["shardscale-lightning", "shardscale-accelerate", "shardscale-transformers",
-                "shardscale-torchtitan", "shardscale-verl"]  # fmt: skip
+                "shardscale-torchtitan", "shardscale-verl", "shardscale-rlinf"]  # fmt: skip
 
 
 def _installed(dist: str) -> str:

@@ -486,7 +486,8 @@ def _guarded(check: str, run: Callable[[], _T], empty: _T, crashes: list[Finding
 
 # Trainer integrations: (distribution, the framework it adapts). Checked only when installed.
 _INTEGRATIONS = (("shardscale-lightning", "lightning"), ("shardscale-accelerate", "accelerate"),
-                 ("shardscale-transformers", "transformers"), ("shardscale-verl", "verl"))  # fmt: skip
+                 ("shardscale-transformers", "transformers"), ("shardscale-verl", "verl"),
+                 ("shardscale-rlinf", "rlinf"))  # fmt: skip
 # Integrations that run without their framework (a drop-in with its signature): (dist, framework).
 _OPTIONAL_FRAMEWORK = (("shardscale-torchtitan", "torchtitan"),)
 

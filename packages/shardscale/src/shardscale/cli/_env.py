@@ -30,6 +30,7 @@ FRAMEWORKS = (
     "trl",
     "torchtitan",
     "verl",
+    "rlinf",
     "triton",
     "pluggy",
     "numpy",
