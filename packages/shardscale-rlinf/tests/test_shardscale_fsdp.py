@@ -49,6 +49,7 @@ SAVE_AFTER = 4  # the checkpoint is written after this many steps
 INIT_SCALE = 1024.0
 CLIP = 0.3
 LR = 0.5
+WARMUP = 4  # RLinf's "constant" schedule with warmup: lr = LR * min(1, t / WARMUP) after t steps
 # adam_eps 1.0, far above the gradients' size (about 1e-2 per element): AdamW's update is then
 # close to lr * g, so a wrong clip coefficient shows in the weights (with a tiny eps Adam's
 # update is about lr * sign(g), whatever the clip).
@@ -115,7 +116,7 @@ def _config(grad_scaler: bool = True) -> Any:
         "optim": {
             "lr": LR, "adam_beta1": 0.9, "adam_beta2": 0.95,
             "adam_eps": ADAM_EPS, "weight_decay": 0.0, "clip_grad": CLIP,
-            "lr_scheduler": "constant", "lr_warmup_steps": 0, "total_training_steps": 100,
+            "lr_scheduler": "constant", "lr_warmup_steps": WARMUP, "total_training_steps": 100,
         },
         "fsdp_config": {
             "strategy": "fsdp2",
@@ -225,6 +226,7 @@ def _train(manager: Any, steps: range) -> list[dict[str, Any]]:
         metrics = manager.shardscale_metrics() if hasattr(manager, "shardscale_metrics") else {}
         rows.append({"grad_norm": float(grad_norm), "lr": lr_list[0], "metrics": metrics,
                      "scale_before": scale, "scale_after": manager.grad_scaler.get_scale(),
+                     "sched": manager.lr_scheduler.last_epoch,
                      "params": _full_params(manager)})  # fmt: skip
     return rows
 
@@ -238,8 +240,9 @@ def _reference() -> dict[str, Any]:
     Each step: every rank's micro-batch losses (each divided by the micro-batch count) through
     fp16 parameters (buffers stay fp32, as under FSDP2's MixedPrecisionPolicy), scaled; the
     gradients summed in fp64, averaged over the 2 ranks (FSDP2's reduce-scatter) and unscaled;
-    the true global norm; one clip; torch's AdamW on the fp32 weights. The injected step is
-    skipped: no update, the scale halves.
+    the true global norm; one clip; torch's AdamW on the fp32 weights, at RLinf's warm-up
+    learning rate. The injected step is skipped: no update, the scale halves, the learning
+    rate holds (the schedule counts the steps that updated the policy).
     """
     model = _tiny_lm()
     opt = torch.optim.AdamW(
@@ -252,11 +255,9 @@ def _reference() -> dict[str, Any]:
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
-    for group in opt.param_groups:
-        group["lr"] = LR
     batches = [_batch(r) for r in range(2)]
     micros = PER_RANK // MICRO
-    scale = INIT_SCALE
+    scale, taken = INIT_SCALE, 0
     norms: list[float] = []
     params: list[list[torch.Tensor]] = []
     initial = [p.detach().clone() for p in model.parameters()]
@@ -283,7 +284,10 @@ def _reference() -> dict[str, Any]:
         coef = min(1.0, CLIP / (norm + 1e-6))
         for p, g in zip(model.parameters(), grads, strict=True):
             p.grad = (coef * g).to(torch.float32)
+        for group in opt.param_groups:
+            group["lr"] = LR * min(1.0, taken / WARMUP)
         opt.step()
+        taken += 1
         norms.append(norm)
         params.append([p.detach().clone() for p in model.parameters()])
     return {"norms": norms, "params": params, "initial": initial}
@@ -307,6 +311,7 @@ def _case(kind: str, workdir: str) -> dict[str, Any]:
     manager2 = _manager(kind)
     manager2.load_checkpoint(ckpt)
     out["loaded_scale"] = manager2.grad_scaler.get_scale()
+    out["loaded_sched"] = manager2.lr_scheduler.last_epoch
     out["loaded_params"] = _full_params(manager2)
     out["resumed"] = _train(manager2, range(SAVE_AFTER, STEPS))
     if dist.get_rank() == 0:
@@ -414,6 +419,9 @@ def test_shardscale_skips_on_every_rank_and_matches_the_hand_loop(runs: dict[str
         assert [r["scale_before"] for r in rows] == expected
         for s in INJECT:  # the skipped step left the weights as they were
             assert _same(rows[s]["params"], rows[s - 1]["params"])
+        # The scheduler held on the skipped step: it counts taken steps only.
+        taken = [sum(1 for k in range(s + 1) if k not in INJECT) for s in range(STEPS)]
+        assert [r["sched"] for r in rows] == taken
         # RLinf's grad_norm (actor/grad_norm) is the true global norm (inf/nan when skipped).
         for r, want in zip(rows, ref["norms"], strict=True):
             got = r["grad_norm"]
@@ -427,7 +435,9 @@ def test_shardscale_skips_on_every_rank_and_matches_the_hand_loop(runs: dict[str
         r["grad_norm"] for r in results[1]["rows"] if math.isfinite(r["grad_norm"])
     ]
     assert _same(results[0]["rows"][-1]["params"], results[1]["rows"][-1]["params"])
-    for row, want in zip(results[0]["rows"], ref["params"], strict=True):
+    # (The first step runs at warm-up's learning rate 0: nothing moves yet.)
+    assert _same(results[0]["rows"][0]["params"], ref["initial"])
+    for row, want in zip(results[0]["rows"][1:], ref["params"][1:], strict=True):
         assert _moved(row["params"], ref["initial"], want) < PARITY_RTOL
 
 
@@ -438,6 +448,7 @@ def test_shardscale_checkpoint_resumes_exactly(runs: dict[str, Any]) -> None:
             res["files"]
         )
         assert res["loaded_scale"] == saved_scale  # not the config's init_scale
+        assert res["loaded_sched"] == sum(1 for k in range(SAVE_AFTER) if k not in INJECT)
         assert _same(res["loaded_params"], res["params_at_save"])
         # The resumed steps are the uninterrupted run's, bit for bit.
         for a, b in zip(res["resumed"], res["rows"][SAVE_AFTER:], strict=True):
@@ -457,7 +468,9 @@ def test_what_rlinf_ships_in_the_same_manager_shows_what_shardscale_fixes(
         # torch's scaler does skip the overflow on both ranks (its scale backs off) ...
         assert [r["scale_after"] for r in rows][2] == INIT_SCALE / 2
         assert _same(rows[2]["params"], rows[1]["params"])
-        # ... the scale is not in RLinf's checkpoint: a resumed run starts from the config's.
+        # ... but RLinf's scheduler advanced on it (it counts every step, taken or not) ...
+        assert [r["sched"] for r in rows] == list(range(1, STEPS + 1))
+        # ... and the scale is not in RLinf's checkpoint: a resumed run starts from the config's.
         assert not any(f.startswith("shardscale_") for f in res["files"])
         assert res["loaded_scale"] == INIT_SCALE
     # Each rank's grad_norm is the norm of its own shard (RLinf's FSDP2 strategy reduces over

@@ -9,8 +9,8 @@ Quick start (the worker class your RLinf main script launches)::
         pass
 
 ``ShardscaleFSDP`` overrides the methods RLinf's ``FSDPModelManager`` gives
-its subclasses for this (``build_grad_scaler``, ``optimizer_step``,
-``save_checkpoint``, ``load_checkpoint``); see docs/rlinf.md. Names load on
+its subclasses for this (``build_grad_scaler``, ``build_lr_scheduler``,
+``optimizer_step``, ``save_checkpoint``, ``load_checkpoint``); see docs/rlinf.md. Names load on
 first use, so the registry can import ``shardscale.rlinf._plugin`` without
 importing RLinf.
 """

@@ -1,10 +1,11 @@
 """What shardscale.rlinf relies on in RLinf's ``FSDPModelManager``, checked before it acts.
 
 [Note: why a contract check]
-``ShardscaleFSDP`` overrides four methods that RLinf's ``FSDPModelManager``
+``ShardscaleFSDP`` overrides five methods that RLinf's ``FSDPModelManager``
 (``rlinf/hybrid_engines/fsdp/fsdp_model_manager.py``) defines for its
 subclasses (the actor, SFT and reward workers): ``build_grad_scaler``,
-``optimizer_step``, ``save_checkpoint`` and ``load_checkpoint``, and reads the
+``build_lr_scheduler``, ``optimizer_step``, ``save_checkpoint`` and
+``load_checkpoint``, and reads the
 manager's ``_cfg.optim.clip_grad``, ``optimizer`` and ``critic_warmup_steps``.
 An override RLinf stops calling would be bypassed silently, so
 :func:`check_rlinf` compares names and signatures with the release this was
@@ -26,6 +27,7 @@ TESTED_RLINF = "0.3.0"
 _METHODS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("setup_model_and_optimizer", ("self",)),
     ("build_grad_scaler", ("self", "enabled")),
+    ("build_lr_scheduler", ("self", "optimizer", "optim_config")),
     ("optimizer_step", ("self",)),
     ("save_checkpoint", ("self", "save_path")),
     ("load_checkpoint", ("self", "load_path")),

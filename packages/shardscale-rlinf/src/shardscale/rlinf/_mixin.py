@@ -18,6 +18,12 @@ workers do). ``ShardscaleFSDP``, placed first in a worker's bases, overrides:
   is the true global norm. (RLinf 0.3.0's FSDP2 strategy reduces its norm over
   a data-parallel group that a 1-D ``["fsdp"]`` mesh does not have: each rank
   logs and clips with the norm of its own shard.)
+* ``build_lr_scheduler``: RLinf's scheduler, inside a scheduler that holds it
+  (``step()`` does not advance it) when every optimizer step since its previous
+  ``step()`` was skipped. RLinf's ``FSDPActor.training_step`` steps the scheduler
+  right after ``optimizer_step``, skipped or not; held, the schedule counts the
+  steps that changed the policy. ``state_dict``/``load_state_dict`` are RLinf's
+  scheduler's own, so RLinf's checkpoint is unchanged.
 * ``save_checkpoint`` / ``load_checkpoint``: RLinf's, plus one small file per
   rank in the checkpoint directory (``shardscale_world_size_W_rank_R.pt``: the
   scaler's ``state_dict`` and the skip counters), read back before RLinf loads
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
 from shardscale.clip import unscale_and_clip_
 from shardscale.core import ShardedGradScaler
@@ -47,48 +54,130 @@ METRIC_KEYS = ("actor/loss_scale", "actor/step_skipped")
 
 _STATE = "_shardscale_rlinf"
 _FILE = "shardscale_world_size_{world}_rank_{rank}.pt"
-_COUNTERS = ("optimizer_steps", "skipped_steps")
+_COUNTERS = ("optimizer_steps", "skipped_steps", "held_scheduler_steps")
 
 
 @dataclass
 class _State:
-    """The scaler and the counters ``ShardscaleFSDP`` keeps on one worker."""
+    """The scaler and the counters ``ShardscaleFSDP`` keeps on one worker.
 
-    scaler: ShardedGradScaler
+    ``scaler`` is None between ``build_lr_scheduler`` and ``build_grad_scaler``
+    (RLinf's ``setup_model_and_optimizer`` calls them in that order).
+    """
+
+    scaler: ShardedGradScaler | None = None
     optimizer_steps: int = 0
     skipped_steps: int = 0
+    held_scheduler_steps: int = 0
     last_loss_scale: float | None = None
     last_skipped: bool | None = None
+    # Optimizer steps since the scheduler's last step, and how many of them were taken.
+    pending: tuple[int, int] = (0, 0)
+
+    def ready_scaler(self) -> ShardedGradScaler:
+        if self.scaler is None:
+            raise RuntimeError(
+                "this worker has no shardscale scaler yet: ShardscaleFSDP builds it in "
+                "build_grad_scaler, which RLinf calls from setup_model_and_optimizer()"
+            )
+        return self.scaler
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {name: getattr(self, name) for name in _COUNTERS}
-        state["scaler"] = self.scaler.state_dict()
+        state["scaler"] = self.ready_scaler().state_dict()
+        state["pending"] = list(self.pending)
         return state
 
     def load_state_dict(self, state: Any) -> None:
         """Load what :meth:`state_dict` wrote; a malformed state changes nothing."""
         if not isinstance(state, dict):
             raise TypeError(f"a shardscale.rlinf state is a dict, got {type(state).__name__}")
-        missing = [k for k in (*_COUNTERS, "scaler") if k not in state]
+        missing = [k for k in (*_COUNTERS, "scaler", "pending") if k not in state]
         if missing:
             raise ValueError(f"the shardscale.rlinf state has no {missing}: not written by it")
         for name in _COUNTERS:
             value = state[name]
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"the shardscale.rlinf state's {name!r} must be an int >= 0")
-        self.scaler.load_state_dict(state["scaler"])  # validates before it changes anything
+        pending = state["pending"]
+        if not (
+            isinstance(pending, list | tuple)
+            and len(pending) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pending)
+        ):
+            raise ValueError("the shardscale.rlinf state's 'pending' must be two ints >= 0")
+        # The scaler validates before it changes anything.
+        self.ready_scaler().load_state_dict(state["scaler"])
         for name in _COUNTERS:
             setattr(self, name, state[name])
+        self.pending = (pending[0], pending[1])
 
 
-def _state(worker: Any) -> _State:
+def _state(worker: Any, *, create: bool = False) -> _State:
     state = worker.__dict__.get(_STATE)
     if not isinstance(state, _State):
-        raise RuntimeError(
-            "this worker has no shardscale scaler yet: ShardscaleFSDP builds it in "
-            "build_grad_scaler, which RLinf calls from setup_model_and_optimizer()"
-        )
+        if not create:
+            raise RuntimeError(
+                "this worker was not set up by ShardscaleFSDP: call setup_model_and_optimizer() "
+                "(RLinf's, which builds the scheduler and the scaler) first"
+            )
+        state = _State()
+        worker.__dict__[_STATE] = state
     return state
+
+
+class _HeldScheduler(LRScheduler):
+    """RLinf's scheduler, held on a step whose optimizer steps since the last were all skipped.
+
+    It wraps the scheduler RLinf built (it does not run ``LRScheduler.__init__``,
+    which would step it once more): ``step`` advances it or holds it; the rest is
+    the wrapped scheduler's, its ``state_dict`` included, so RLinf's checkpoint
+    stores and restores the schedule as before.
+    """
+
+    def __init__(self, inner: LRScheduler, state: _State) -> None:
+        self.inner = inner
+        self.optimizer = inner.optimizer
+        self._skips = state
+
+    @property
+    def last_epoch(self) -> int:
+        """The wrapped scheduler's step count."""
+        epoch: int = self.inner.last_epoch
+        return epoch
+
+    @last_epoch.setter
+    def last_epoch(self, value: int) -> None:
+        self.inner.last_epoch = value
+
+    def step(self, epoch: int | None = None) -> None:
+        """Advance the wrapped scheduler, unless every optimizer step since the last was skipped."""
+        steps, taken = self._skips.pending
+        self._skips.pending = (0, 0)
+        if steps > 0 and taken == 0:
+            self._skips.held_scheduler_steps += 1
+            return
+        if epoch is None:
+            self.inner.step()
+        else:
+            self.inner.step(epoch)
+
+    def get_last_lr(self) -> list[float | torch.Tensor]:
+        """The wrapped scheduler's last learning rates."""
+        return self.inner.get_last_lr()
+
+    def get_lr(self) -> list[float | torch.Tensor]:
+        """The wrapped scheduler's learning rates."""
+        return self.inner.get_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped scheduler's state (what RLinf's checkpoint saved before)."""
+        state: dict[str, Any] = self.inner.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the wrapped scheduler's state."""
+        self.inner.load_state_dict(state_dict)
 
 
 def _device_type() -> str:
@@ -146,8 +235,15 @@ class ShardscaleFSDP:
             for name in ("init_scale", "growth_interval"):
                 options.pop(name, None)
         scaler = ShardedGradScaler(**options)
-        self.__dict__[_STATE] = _State(scaler)
+        _state(self, create=True).scaler = scaler
         return scaler
+
+    def build_lr_scheduler(self, *args: Any, **kwargs: Any) -> LRScheduler:
+        """RLinf's scheduler, held on steps whose optimizer steps were all skipped."""
+        inner = super().build_lr_scheduler(*args, **kwargs)  # type: ignore[misc]
+        if not isinstance(inner, LRScheduler):
+            return inner  # type: ignore[no-any-return]  # not a torch scheduler: left as built
+        return _HeldScheduler(inner, _state(self, create=True))
 
     def optimizer_step(self) -> tuple[float, list[float]]:
         """Unscale and clip in one pass, step or skip on every rank together, update the scale.
@@ -158,7 +254,7 @@ class ShardscaleFSDP:
             group's learning rate.
         """
         state = _state(self)
-        scaler = state.scaler
+        scaler = state.ready_scaler()
         worker: Any = self
         worker.optimizer_steps += 1
         clip = float(worker._cfg.optim.clip_grad)
@@ -179,6 +275,7 @@ class ShardscaleFSDP:
         state.last_skipped = skipped
         state.optimizer_steps += 1
         state.skipped_steps += int(skipped)
+        state.pending = (state.pending[0] + 1, state.pending[1] + int(not skipped))
         grad_norm: float = values[0]
         if skipped:
             logger = getattr(worker, "_logger", None)
