@@ -199,7 +199,7 @@ def _state_file(path: str) -> str:
 
 
 class ShardscaleFSDP:
-    """Put first in the bases of an RLinf FSDP worker: shardscale scales, clips and skips.
+    """Put first in the bases of an RLinf FSDP worker: shardscale scales, clips, skips and holds.
 
     Example::
 
@@ -207,8 +207,9 @@ class ShardscaleFSDP:
             pass
 
     The worker's config is RLinf's, unchanged: ``fsdp_config.grad_scaler``
-    (``enabled``, ``init_scale``, ``growth_interval``) and ``optim.clip_grad``.
-    RLinf's critic warm-up (``optim.critic_warmup_steps`` with a value head),
+    (``enabled``, ``init_scale``, ``growth_interval``), ``optim.clip_grad`` and the
+    schedule (held on steps whose optimizer steps were all skipped; see the module
+    docstring for every override). RLinf's critic warm-up (``optim.critic_warmup_steps`` with a value head),
     whose ``optimizer_step`` rebuilds the optimizer, is refused.
     """
 
@@ -217,7 +218,8 @@ class ShardscaleFSDP:
 
         Raises:
             RLinfContractError: the installed RLinf changed what this relies on.
-            ValueError: critic warm-up is configured, or an option is not the scaler's.
+            ValueError: critic warm-up is configured.
+            TypeError: an option is not one of the scaler's.
             RuntimeError: RLinf found no accelerator.
         """
         check_rlinf(self)
