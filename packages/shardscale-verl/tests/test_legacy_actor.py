@@ -1,9 +1,10 @@
-"""use_shardscale on verl 0.7's legacy actor (verl 0.7.1, FSDP2), 2 gloo ranks, an overflow on one rank.
+"""use_shardscale on verl 0.7's legacy actor (verl 0.7.1, FSDP2 and FSDP1), 2 gloo ranks, one overflow.
 
 Everything here is verl's own code: ``DataParallelPPOActor`` built from verl's
 ``FSDPActorConfig`` around a tiny Qwen2 created from a config (no download, no
-tokenizer) and sharded with verl's ``apply_fsdp2`` as verl's worker does it
-(``MixedPrecisionPolicy`` in fp16, reduce in fp32), trained with verl's
+tokenizer) and sharded as verl's worker does it (FSDP2 with verl's
+``apply_fsdp2``, FSDP1 with verl's wrap policy; fp16 compute, fp32 reduction:
+see ``_actor``), trained with verl's
 ``update_policy`` (the vanilla PPO loss, on-policy: one mini-batch of two
 micro-batches per RL step), checkpointed with verl's ``FSDPCheckpointManager``.
 verl's actor runs on a CPU as it is (``use_remove_padding=False``,
@@ -48,7 +49,7 @@ LR = 0.5
 VOCAB, PROMPT, RESPONSE, PER_RANK, MICRO = 64, 4, 8, 4, 2
 SEQ = PROMPT + RESPONSE
 U16 = torch.finfo(torch.float16).eps / 2  # fp16 unit roundoff, 2**-11
-# The actor and the reference both run the model's forward and backward in fp16 (FSDP2's
+# The actor and the reference both run the model's forward and backward in fp16 (FSDP's
 # fp16 compute, verl's fp16 autocast), in another order (2 ranks x 2 micro-batches, each
 # reduce-scattered in fp32 and averaged, vs one process accumulating in fp32): each gradient
 # carries about 16 fp16 roundings of its own (2 layers, each attention + MLP + norm, forward
@@ -89,8 +90,13 @@ def _write_model(model_dir: str) -> None:
     dist.barrier()
 
 
-def _actor(model_dir: str, dtype: str = "float16") -> tuple[Any, Any]:
-    """verl's actor and checkpoint manager, built as ActorRolloutRefWorker.init_model builds them."""
+def _actor(model_dir: str, dtype: str = "float16", strategy: str = "fsdp2") -> tuple[Any, Any]:
+    """verl's actor and checkpoint manager, built as ActorRolloutRefWorker.init_model builds them.
+
+    FSDP2 through verl's ``apply_fsdp2``; FSDP1 (verl 0.7's default strategy) as verl's
+    worker wraps it, except ``sync_module_states=False`` and ``device_id`` "cpu" (torch
+    refuses the first on a CPU, and FSDP1 wants the second without an accelerator).
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import AutoModelForCausalLM
@@ -104,17 +110,29 @@ def _actor(model_dir: str, dtype: str = "float16") -> tuple[Any, Any]:
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, torch_dtype=torch.float32, attn_implementation="sdpa"
     )
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
-    fsdp_config = FSDPEngineConfig(strategy="fsdp2", dtype=dtype)
-    policy = MixedPrecisionPolicy(
-        param_dtype=short, reduce_dtype=torch.float32, cast_forward_inputs=True
-    )
-    apply_fsdp2(
-        model, {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": True}, fsdp_config
-    )
+    fsdp_config = FSDPEngineConfig(strategy=strategy, dtype=dtype)
+    if strategy == "fsdp2":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+        policy = MixedPrecisionPolicy(
+            param_dtype=short, reduce_dtype=torch.float32, cast_forward_inputs=True
+        )
+        apply_fsdp2(
+            model, {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": True}, fsdp_config
+        )
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+        from verl.utils.fsdp_utils import get_fsdp_wrap_policy
+
+        model = FullyShardedDataParallel(
+            model, auto_wrap_policy=get_fsdp_wrap_policy(model, config=None),
+            mixed_precision=MixedPrecision(
+                param_dtype=short, reduce_dtype=torch.float32, buffer_dtype=torch.float32
+            ),
+            sync_module_states=False, use_orig_params=False, device_id=torch.device("cpu"),
+        )  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     config = FSDPActorConfig(
-        strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=PER_RANK,
+        strategy=strategy, rollout_n=1, ppo_mini_batch_size=PER_RANK,
         ppo_micro_batch_size_per_gpu=MICRO, grad_clip=CLIP, use_torch_compile=False,
         use_remove_padding=False, fsdp_config=fsdp_config,
     )  # fmt: skip
@@ -160,6 +178,12 @@ def _data(rank: int, inject: bool) -> Any:
 
 
 def _full_params(module: Any) -> list[torch.Tensor]:
+    """Every parameter, whole (FSDP2: gathered DTensors; FSDP1: inside summon_full_params)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(module, FullyShardedDataParallel):
+        with FullyShardedDataParallel.summon_full_params(module, writeback=False):
+            return [p.detach().to(torch.float32).clone() for p in module.parameters()]
     out = []
     for p in module.parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
@@ -240,11 +264,13 @@ def _reference(model_dir: str) -> dict[str, Any]:
 # -- the cases (run on every rank) -----------------------------------------------------------------
 
 
-def _case(kind: str, workdir: str) -> dict[str, Any]:
+def _case(run: str, workdir: str) -> dict[str, Any]:
+    kind, _, fsdp1 = run.partition("-")  # "shardscale-fsdp1": the same with FSDP1
+    strategy = "fsdp" if fsdp1 else "fsdp2"
     model_dir = os.path.join(workdir, "model")
-    ckpt = os.path.join(workdir, f"ckpt-{kind}")
+    ckpt = os.path.join(workdir, f"ckpt-{run}")
     _write_model(model_dir)
-    actor, manager = _actor(model_dir)
+    actor, manager = _actor(model_dir, strategy=strategy)
     out: dict[str, Any] = {
         "verl_scaler": type(actor.scaler).__name__,
         "verl_scaler_enabled": actor.scaler.is_enabled(),
@@ -270,7 +296,7 @@ def _case(kind: str, workdir: str) -> dict[str, Any]:
         return out
     # Resume: a fresh actor and manager, as verl's worker builds them on restart, then the
     # checkpoint.
-    actor2, manager2 = _actor(model_dir)
+    actor2, manager2 = _actor(model_dir, strategy=strategy)
     if kind == "shardscale":
         from shardscale.verl import use_shardscale
 
@@ -285,7 +311,7 @@ def _case(kind: str, workdir: str) -> dict[str, Any]:
         "params": _full_params(actor2.actor_module),
     }
     out["resumed"] = _train(actor2, range(SAVE_AFTER, STEPS))
-    if kind == "shardscale" and dist.get_rank() == 0:
+    if run == "shardscale" and dist.get_rank() == 0:
         out["reference"] = _reference(model_dir)
     return out
 
@@ -414,12 +440,18 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 @pytest.fixture(scope="module")
 def runs(pool2: Pool, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
     workdir = str(tmp_path_factory.mktemp("verl07"))
-    return {kind: pool2.run(_case, kind, workdir) for kind in ("shardscale", "torch", "shipped")}
+    kinds = ("shardscale", "shardscale-fsdp1", "torch", "shipped")
+    return {kind: pool2.run(_case, kind, workdir) for kind in kinds}
 
 
-def test_shardscale_skips_on_every_rank_and_matches_the_hand_loop(runs: dict[str, Any]) -> None:
-    results = runs["shardscale"]
-    ref = results[0]["reference"]
+@pytest.mark.parametrize("run", ["shardscale", "shardscale-fsdp1"])
+def test_shardscale_skips_on_every_rank_and_matches_the_hand_loop(
+    runs: dict[str, Any], run: str
+) -> None:
+    results = runs[run]
+    ref = runs["shardscale"][0]["reference"]
+    for res in results:  # the actor starts from the reference's weights, in its order
+        assert _equal(res["initial"], ref["initial"])
     assert results[0]["verl_scaler"] == "ShardedGradScaler"  # verl made one (fp16) ...
     assert results[0]["scaler"].startswith("shardscale.")  # ... and use_shardscale replaced it
     skipped = [1.0 if s in INJECT else 0.0 for s in range(STEPS)]
@@ -451,8 +483,9 @@ def test_shardscale_skips_on_every_rank_and_matches_the_hand_loop(runs: dict[str
             assert moved < PARITY_RTOL, (step, moved)
 
 
-def test_shardscale_checkpoint_resumes_exactly(runs: dict[str, Any]) -> None:
-    results = runs["shardscale"]
+@pytest.mark.parametrize("run", ["shardscale", "shardscale-fsdp1"])
+def test_shardscale_checkpoint_resumes_exactly(runs: dict[str, Any], run: str) -> None:
+    results = runs[run]
     saved_scale = INIT_SCALE * 0.5 ** sum(1 for k in INJECT if k < SAVE_AFTER)
     for res in results:
         # verl's own files, plus one per rank for the scaler.
