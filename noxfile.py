@@ -81,6 +81,14 @@ RLINF = "rlinf==0.3.0"
 RLINF_TRANSFORMERS = "transformers==4.57.6"
 # What the rlinf session installs from this tree (as the verl session: with their closure).
 RLINF_ROOTS = [RLINF_DIST, "shardscale"]
+# verl 0.7's legacy actor (``nox -s verl_legacy``): a venv of its own again. verl 0.7.1 pins
+# numpy<2 and leaves transformers, datasets and pyarrow open, and the newest of those do not run
+# with it: transformers 5 makes ``_no_split_modules`` a set, which verl 0.7's ``apply_fsdp2``
+# indexes (TypeError); pyarrow 26 needs numpy 2; datasets 5 needs a huggingface_hub that
+# transformers 4 refuses. So the releases of its time are pinned beside it. It installs what
+# the verl session does from this tree (VERL_ROOTS' closure).
+VERL_LEGACY = "verl==0.7.1"
+VERL_LEGACY_PINS = ["transformers==4.57.6", "datasets==4.4.1", "pyarrow==22.0.0"]
 # Extras the tests session installs with their distribution (the observers' own libraries).
 TEST_EXTRAS = {"shardscale-telemetry": "tensorboard,wandb"}
 # numpy: torch's own test-side tools (CommDebugMode, all_gather_object, DCP) import it.
@@ -573,7 +581,12 @@ def verl(session: nox.Session) -> None:
     ]
     if not ran:
         session.error("no shardscale-verl test ran")
-    skipped = [s for s in _skips_outside_xfail(junit) if "verl" in s.split(": ")[0]]
+    # test_legacy_actor.py is verl 0.7's (nox -s verl_legacy): it skips here by design.
+    skipped = [
+        s
+        for s in _skips_outside_xfail(junit)
+        if "verl" in s.split(": ")[0] and "test_legacy_actor" not in s.split(": ")[0]
+    ]
     if skipped:
         session.error(
             "verl tests were skipped here, where verl is installed:\n" + "\n".join(skipped)
@@ -618,6 +631,46 @@ def rlinf(session: nox.Session) -> None:
         session.error(
             "rlinf tests were skipped here, where RLinf is installed:\n" + "\n".join(skipped)
         )
+
+
+@nox.session(python=PYTHON)
+def verl_legacy(session: nox.Session) -> None:
+    """shardscale-verl's tests with verl 0.7.1's legacy actor (DataParallelPPOActor), 2 gloo ranks.
+
+    A venv of its own (verl 0.7.1 with the transformers 4 of its time); not part of ``tests``
+    (CI's time). The engine tests (verl 0.9) must skip here, the legacy ones must all run: the
+    session fails if any of test_legacy_actor.py was skipped.
+    """
+    _install_torch(session, DEFAULT_TORCH)
+    session.install(*TEST_DEPS)
+    # torch pinned in the same command: verl must not pull another torch.
+    session.install(
+        f"torch=={DEFAULT_TORCH}",
+        VERL_LEGACY,
+        *VERL_LEGACY_PINS,
+        *(str(ROOT / "packages" / d) for d in _local_closure(VERL_ROOTS)),
+    )
+    session.run("python", "-c", "import torch, transformers, verl; print('torch', "
+                "torch.__version__, 'verl', verl.__version__, 'transformers', "
+                "transformers.__version__)")  # fmt: skip
+    checked = session.run("shardscale", "doctor", "--json", silent=True, success_codes=[0, 1])
+    if not re.search(r'"check": "shardscale-verl",\s*"status": "ok"', str(checked)):
+        session.error(f"`shardscale doctor` does not find shardscale-verl with verl:\n{checked}")
+    junit = Path(session.create_tmp()) / "verl-legacy-junit.xml"
+    session.run("pytest", str(ROOT / "packages" / VERL_DIST / "tests"), "--junitxml", str(junit),
+                *session.posargs)  # fmt: skip
+    import xml.etree.ElementTree as ET
+
+    legacy = "test_legacy_actor"
+    ran = [
+        c for c in ET.parse(junit).getroot().iter("testcase") if legacy in str(c.get("classname"))
+    ]
+    if not ran:
+        session.error("no test of test_legacy_actor.py ran")
+    skipped = [s for s in _skips_outside_xfail(junit) if legacy in s.split(": ")[0]]
+    if skipped:
+        session.error("legacy actor tests were skipped here, where verl 0.7 is installed:\n"
+                      + "\n".join(skipped))  # fmt: skip
 
 
 def _build_wheels(session: nox.Session) -> None:

@@ -34,11 +34,16 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from mp_harness import Pool
 
-pytest.importorskip(
+verl = pytest.importorskip(
     "verl", reason="verl is installed only by `nox -s verl` (verl 0.9 pins transformers<5.11)"
 )
-from mp_harness import Pool
+if not verl.__version__.startswith("0.9."):
+    pytest.skip(
+        f"verl 0.9's FSDP engine; verl {verl.__version__} is installed (`nox -s verl`)",
+        allow_module_level=True,
+    )
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 

@@ -1,11 +1,15 @@
-"""shardscale.verl: shardscale's loss scaler and clipping in verl's FSDP engine (fp16 RL).
+"""shardscale.verl: shardscale's loss scaler and clipping in verl's FSDP engine and legacy actor (fp16 RL).
 
-Quick start::
+Quick start (verl 0.9's FSDP engine)::
 
     from shardscale.verl import use_shardscale
 
     engine.initialize()
     use_shardscale(engine)                 # the one added line
+
+verl 0.7's legacy actor takes the same line, once the actor is built::
+
+    use_shardscale(actor, checkpoint_manager=checkpoint_manager)
 
 For verl's Ray trainer, where the workers build the engine, the same line runs
 from a config key: ``actor_rollout_ref.model.external_lib=shardscale.verl.auto``
@@ -21,7 +25,9 @@ from shardscale.core.plugins import lazy_exports
 
 if TYPE_CHECKING:
     from shardscale.verl._contract import (
+        SUPPORTED_VERL,
         TESTED_VERL,
+        TESTED_VERL_LEGACY,
         VerlContractError,
         check_verl,
         contract_problems,
@@ -33,6 +39,7 @@ if TYPE_CHECKING:
         is_using_shardscale,
         use_shardscale,
     )
+    from shardscale.verl._legacy import LEGACY_METRIC_KEYS
 
 __all__ = [
     "use_shardscale",
@@ -40,14 +47,18 @@ __all__ = [
     "engine_state",
     "ShardscaleEngineState",
     "METRIC_KEYS",
+    "LEGACY_METRIC_KEYS",
     "check_verl",
     "contract_problems",
     "VerlContractError",
     "TESTED_VERL",
+    "TESTED_VERL_LEGACY",
+    "SUPPORTED_VERL",
 ]
 
 _CONTRACT = "shardscale.verl._contract"
 _INSTALL = "shardscale.verl._install"
+_LEGACY = "shardscale.verl._legacy"
 _WHERE = {
     "use_shardscale": _INSTALL,
     "is_using_shardscale": _INSTALL,
@@ -58,6 +69,9 @@ _WHERE = {
     "contract_problems": _CONTRACT,
     "VerlContractError": _CONTRACT,
     "TESTED_VERL": _CONTRACT,
+    "TESTED_VERL_LEGACY": _CONTRACT,
+    "SUPPORTED_VERL": _CONTRACT,
+    "LEGACY_METRIC_KEYS": _LEGACY,
 }
 
 

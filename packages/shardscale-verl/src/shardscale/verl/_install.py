@@ -43,7 +43,7 @@ import torch
 
 from shardscale.clip import unscale_and_clip_
 from shardscale.core import ShardedGradScaler
-from shardscale.verl._contract import check_verl
+from shardscale.verl._contract import check_verl, target_kind
 
 __all__ = [
     "METRIC_KEYS",
@@ -83,6 +83,8 @@ class ShardscaleEngineState:
     last_skipped: bool | None = None
     # Optimizer steps since the last scheduler step, and how many of them were taken.
     pending: list[int] = field(default_factory=lambda: [0, 0])
+    # (loss scale, skipped) of each optimizer step since the caller last cleared it.
+    log: list[tuple[float, bool]] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state and the counters, as plain Python values."""
@@ -129,14 +131,19 @@ def is_using_shardscale(engine: Any) -> bool:
 # -- the replaced methods (bound to one engine with types.MethodType) ---------------------------
 
 
-def _optimizer_step(self: Any) -> float:
-    state = engine_state(self)
+def scaled_step(
+    state: ShardscaleEngineState, optimizer: torch.optim.Optimizer, clip: float
+) -> float:
+    """``unscale_and_clip_``, ``scaler.step``, ``scaler.update`` and one host read; the norm.
+
+    Records the scale this step's loss was multiplied by and whether the step
+    was skipped (on every rank) in ``state``. Shared by the engine and the legacy actor.
+    """
     scaler = state.scaler
-    clip = float(self.optimizer_config.clip_grad)
     scale = scaler.scale_tensor  # the scale this step's loss was multiplied by (no host read)
     used = scale.detach().clone() if scale is not None else None
-    norm = unscale_and_clip_(scaler, self.optimizer, max_norm=clip)
-    scaler.step(self.optimizer)
+    norm = unscale_and_clip_(scaler, optimizer, max_norm=clip)
+    scaler.step(optimizer)
     scaler.update()
     flag = scaler.last_step_skipped
     parts = [norm.detach().reshape(()).to(torch.float64)]
@@ -152,13 +159,19 @@ def _optimizer_step(self: Any) -> float:
     state.skipped_steps += int(skipped)
     state.pending[0] += 1
     state.pending[1] += int(not skipped)
+    state.log.append((state.last_loss_scale, skipped))
     grad_norm: float = values[0]
     return grad_norm
+
+
+def _optimizer_step(self: Any) -> float:
+    return scaled_step(engine_state(self), self.optimizer, float(self.optimizer_config.clip_grad))
 
 
 def _train_batch(self: Any, data: Any, loss_function: Any) -> Any:
     state = engine_state(self)
     state.last_skipped = None
+    state.log.clear()
     outputs = type(self).train_batch(self, data, loss_function)
     if state.last_skipped is not None and self.is_mp_src_rank_with_outputs():
         metrics = outputs["metrics"]
@@ -192,11 +205,33 @@ def _save_checkpoint(
     **kwargs: Any,
 ) -> None:
     type(self).save_checkpoint(self, local_path, hdfs_path, global_step, max_ckpt_to_keep, **kwargs)
+    save_state(engine_state(self), local_path)
+
+
+def save_state(state: ShardscaleEngineState, local_path: str | None) -> None:
+    """Write ``state`` to this rank's file in ``local_path`` (after verl wrote its own)."""
     if local_path is None:
         return  # verl saves nothing either
-    torch.save(engine_state(self).state_dict(), _state_file(local_path))
+    torch.save(state.state_dict(), _state_file(local_path))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank's file is there before any rank goes on
+
+
+def load_state(state: ShardscaleEngineState, local_path: str | None) -> None:
+    """Read this rank's file in ``local_path`` into ``state`` (before verl loads the rest)."""
+    if local_path is None:
+        return
+    path = _state_file(local_path)
+    if os.path.exists(path):
+        # Ours first (before verl may delete local copies); a bad file raises here,
+        # before anything changed.
+        state.load_state_dict(torch.load(path, weights_only=True))
+    else:
+        warnings.warn(
+            f"{path} is missing (a checkpoint saved without use_shardscale, or with another "
+            "world size): the loss scale and skip counters keep their current values",
+            stacklevel=3,
+        )
 
 
 def _load_checkpoint(
@@ -206,19 +241,7 @@ def _load_checkpoint(
     del_local_after_load: bool = True,
     **kwargs: Any,
 ) -> None:
-    state = engine_state(self)
-    if local_path is not None:
-        path = _state_file(local_path)
-        if os.path.exists(path):
-            # Ours first (before verl may delete local copies); a bad file raises here,
-            # before anything changed.
-            state.load_state_dict(torch.load(path, weights_only=True))
-        else:
-            warnings.warn(
-                f"{path} is missing (a checkpoint saved without use_shardscale, or with another "
-                "world size): the loss scale and skip counters keep their current values",
-                stacklevel=2,
-            )
+    load_state(engine_state(self), local_path)
     type(self).load_checkpoint(self, local_path, hdfs_path, del_local_after_load, **kwargs)
 
 
@@ -241,13 +264,60 @@ def _device_name() -> str:
     return name
 
 
+def check_scaler_arguments(
+    scaler: ShardedGradScaler | None, scaler_options: Mapping[str, Any]
+) -> None:
+    """Refuse a scaler that is not shardscale's, or a scaler together with options."""
+    if scaler is not None and not isinstance(scaler, ShardedGradScaler):
+        raise TypeError(
+            f"use_shardscale(scaler=...) takes a shardscale.core.ShardedGradScaler, got "
+            f"{type(scaler).__name__}; pass its arguments as keywords instead."
+        )
+    if scaler is not None and scaler_options:
+        raise ValueError(
+            f"pass either a scaler or scaler options, not both (got {sorted(scaler_options)})"
+        )
+
+
+def prepare_scaler(
+    owner: str,
+    verl_scaler: Any,
+    scaler: ShardedGradScaler | None,
+    scaler_options: Mapping[str, Any],
+) -> ShardedGradScaler:
+    """The scaler that replaces ``verl_scaler`` (verl's own, or None outside fp16); checks it."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchScaler
+
+    if verl_scaler is not None and not isinstance(verl_scaler, TorchScaler):
+        raise RuntimeError(
+            f"{owner}.scaler is a {type(verl_scaler).__name__}, not verl's own torch "
+            "ShardedGradScaler: something else already replaced it; use_shardscale would "
+            f"drop it. Apply use_shardscale to a freshly built {owner}."
+        )
+    fp16 = verl_scaler is not None  # verl creates its scaler exactly when param_dtype is fp16
+    if scaler is None:
+        options: dict[str, Any] = dict(scaler_options)
+        options.setdefault("loss_scaling", fp16)
+        if options["loss_scaling"]:
+            options.setdefault("growth_interval", 400)  # verl's own choice for its scaler
+        options.setdefault("device", _device_name())
+        scaler = ShardedGradScaler(**options)
+    if not scaler.is_enabled():
+        raise ValueError(
+            "use_shardscale got a disabled scaler (enabled=False), which would drop verl's own "
+            f"non-finite check; leave the {owner} as verl built it instead."
+        )
+    return scaler
+
+
 def use_shardscale(
     engine: Any,
     *,
     scaler: ShardedGradScaler | None = None,
+    checkpoint_manager: Any | None = None,
     **scaler_options: Any,
 ) -> ShardedGradScaler:
-    """Make one verl FSDP engine scale, clip and skip through shardscale.
+    """Make one verl FSDP engine (verl 0.9) or legacy actor (verl 0.7) scale, clip and skip.
 
     Call it once, right after ``engine.initialize()``::
 
@@ -261,11 +331,20 @@ def use_shardscale(
     every rank when any rank's gradients are not finite). See the module
     docstring for exactly what changes, and docs/verl.md.
 
+    On verl 0.7 it takes the legacy actor instead, right after it is built
+    (see ``shardscale.verl._legacy`` and docs/verl.md)::
+
+        actor = DataParallelPPOActor(actor_config, actor_module, actor_optimizer)
+        use_shardscale(actor, checkpoint_manager=checkpoint_manager)   # the one added line
+
     Args:
         engine: an initialized ``verl.workers.engine.fsdp.transformer_impl.FSDPEngine``
-            (``FSDPEngineWithLMHead``, ``FSDPEngineWithValueHead``).
+            (``FSDPEngineWithLMHead``, ``FSDPEngineWithValueHead``) on verl 0.9, or a
+            ``verl.workers.actor.dp_actor.DataParallelPPOActor`` with an optimizer on verl 0.7.
         scaler: a ready :class:`~shardscale.core.ShardedGradScaler`; else one is
             built from ``scaler_options``.
+        checkpoint_manager: legacy actor only: the ``FSDPCheckpointManager`` that saves
+            the actor's optimizer; its checkpoints then carry the scaler's state.
         **scaler_options: :class:`~shardscale.core.ShardedGradScaler`'s keyword
             arguments. Defaults: verl's device, ``loss_scaling`` True in fp16
             (then verl's ``growth_interval=400``), else False.
@@ -274,27 +353,24 @@ def use_shardscale(
         The engine's scaler (also ``engine.scaler``).
 
     Raises:
-        VerlContractError: the installed verl changed what this relies on.
-        TypeError: ``engine`` is not a verl FSDP engine, or ``scaler`` not ours.
+        VerlContractError: the installed verl is not a supported release, changed what
+            this relies on, or does not support ``engine``'s kind.
+        TypeError: ``engine`` is neither an engine nor a legacy actor, or ``scaler`` not ours.
         RuntimeError: the engine is not initialized, or was given a scaler of another kind.
         ValueError: both ``scaler`` and options, a disabled scaler, or QAT.
     """
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+    if target_kind(engine) == "actor":
+        from shardscale.verl._legacy import use_shardscale_on_actor
 
-    if not isinstance(engine, FSDPEngine):
+        return use_shardscale_on_actor(
+            engine, scaler=scaler, checkpoint_manager=checkpoint_manager, **scaler_options
+        )
+    if checkpoint_manager is not None:
         raise TypeError(
-            "use_shardscale takes verl's FSDP engine (verl.workers.engine.fsdp."
-            f"transformer_impl.FSDPEngine), got {type(engine).__name__}"
+            "checkpoint_manager is for verl 0.7's legacy actor; the FSDP engine saves the "
+            "scaler's state in its own save_checkpoint: leave it out."
         )
-    if scaler is not None and not isinstance(scaler, ShardedGradScaler):
-        raise TypeError(
-            f"use_shardscale(scaler=...) takes a shardscale.core.ShardedGradScaler, got "
-            f"{type(scaler).__name__}; pass its arguments as keywords instead."
-        )
-    if scaler is not None and scaler_options:
-        raise ValueError(
-            f"pass either a scaler or scaler options, not both (got {sorted(scaler_options)})"
-        )
+    check_scaler_arguments(scaler, scaler_options)
     if is_using_shardscale(engine):
         if scaler is not None or scaler_options:
             raise RuntimeError(
@@ -313,28 +389,7 @@ def use_shardscale(
             "use_shardscale does not support verl's QAT (its optimizer step also resets "
             "quantization scales); train without QAT or without use_shardscale."
         )
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchScaler
-
-    verl_scaler = engine.scaler
-    if verl_scaler is not None and not isinstance(verl_scaler, TorchScaler):
-        raise RuntimeError(
-            f"engine.scaler is a {type(verl_scaler).__name__}, not verl's own torch "
-            "ShardedGradScaler: something else already replaced it; use_shardscale would "
-            "drop it. Apply use_shardscale to a freshly initialized engine."
-        )
-    fp16 = verl_scaler is not None  # verl creates its scaler exactly when param_dtype is fp16
-    if scaler is None:
-        options: dict[str, Any] = dict(scaler_options)
-        options.setdefault("loss_scaling", fp16)
-        if options["loss_scaling"]:
-            options.setdefault("growth_interval", 400)  # verl's own choice for its scaler
-        options.setdefault("device", _device_name())
-        scaler = ShardedGradScaler(**options)
-    if not scaler.is_enabled():
-        raise ValueError(
-            "use_shardscale got a disabled scaler (enabled=False), which would drop verl's own "
-            "non-finite check; leave the engine as verl built it instead."
-        )
+    scaler = prepare_scaler("engine", engine.scaler, scaler, scaler_options)
     engine.scaler = scaler
     engine.__dict__[_STATE] = ShardscaleEngineState(scaler)
     # Instance attributes shadow the class's methods for this engine only.

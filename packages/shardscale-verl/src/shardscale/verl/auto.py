@@ -1,4 +1,4 @@
-"""Importing this module applies ``use_shardscale`` to every verl FSDP engine built afterwards.
+"""Importing this module applies ``use_shardscale`` to every verl FSDP engine (or 0.7 actor) built afterwards.
 
 It is the config-key form of the one line, for verl's Ray trainer, where the
 workers build the engines::
@@ -16,6 +16,14 @@ bf16/fp32 engines get the non-finite guard. Forward-only engines (reference
 policy, rollout-side log-probs) are left as verl built them. That one wrapped
 method is the only change to verl's classes; for other scaler options call
 ``use_shardscale(engine, ...)`` yourself.
+
+On verl 0.7 (the legacy worker, which imports ``external_lib`` at the start of
+``init_model``, before it builds its actor) it wraps ``DataParallelPPOActor.__init__``
+instead: the training actor (the one built with an optimizer) gets
+``use_shardscale(actor)``; the reference policy is left alone. The worker's
+checkpoint manager is built after the actor and is not reached from here: the
+scaler's state is not in that worker's checkpoints (call
+``use_shardscale(actor, checkpoint_manager=...)`` yourself for that).
 """
 
 from __future__ import annotations
@@ -30,10 +38,14 @@ _MARK = "__shardscale_verl__"
 
 
 def install() -> None:
-    """Wrap verl's ``FSDPEngine.initialize`` (idempotent; the import already did it)."""
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+    """Wrap verl's ``FSDPEngine.initialize`` (verl 0.9) or ``DataParallelPPOActor.__init__``
+    (verl 0.7); idempotent (the import already did it)."""
+    from shardscale.verl._contract import check_verl, installed_kind
 
-    from shardscale.verl._contract import check_verl
+    if installed_kind() == "actor":
+        _install_legacy()
+        return
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
     original: Callable[..., Any] = FSDPEngine.initialize
     if getattr(original, _MARK, False):
@@ -51,6 +63,28 @@ def install() -> None:
 
     setattr(initialize, _MARK, True)
     FSDPEngine.initialize = initialize
+
+
+def _install_legacy() -> None:
+    from verl.workers.actor.dp_actor import DataParallelPPOActor
+
+    from shardscale.verl._contract import check_verl
+
+    original: Callable[..., Any] = DataParallelPPOActor.__init__
+    if getattr(original, _MARK, False):
+        return
+    check_verl()
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if getattr(self, "actor_optimizer", None) is not None:
+            from shardscale.verl._install import use_shardscale
+
+            use_shardscale(self)
+
+    setattr(__init__, _MARK, True)
+    DataParallelPPOActor.__init__ = __init__
 
 
 install()
