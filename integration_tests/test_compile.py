@@ -101,3 +101,24 @@ def test_compiled_scaler_calls_run_as_eager(clip: str) -> None:
     # The same calls run eagerly in both: identical, inf-aware.
     assert [(repr(n), s) for n, s in compiled] == [(repr(n), s) for n, s in eager]
     assert all(torch.equal(a, b) for a, b in zip(compiled_params, eager_params, strict=True))
+
+
+def test_the_marks_do_not_load_torchdynamo() -> None:
+    # Importing TorchDynamo costs seconds (and imports Triton where installed): importing the
+    # scaler and the clip functions (the CLI's plugins and doctor do) must not pay it for the
+    # eager marks. (torch's own Optimizer.__init__ loads it; a training process has it anyway.)
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from shardscale.clip import clip_grad_norm_, unscale_and_clip_\n"
+        "from shardscale.core import ShardedGradScaler\n"
+        "ShardedGradScaler('cpu').scale(torch.ones(()))\n"
+        "clip_grad_norm_([torch.nn.Parameter(torch.ones(2))], 1.0)\n"
+        "assert 'torch._dynamo' not in sys.modules, 'the eager marks loaded TorchDynamo'\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
