@@ -160,7 +160,8 @@ def _run_tests(session: nox.Session, torch_version: str) -> None:
     # also sets SHARDSCALE_TRITON_INTERPRET=1).
     # The install-lines test (marked slow: fresh clones and virtualenvs, minutes of pip) has its
     # own session, install_lines, so that this one stays within CI's time.
-    args = session.posargs or ["-m", "not slow"]
+    # --durations: the slowest tests in CI's log, to keep its time in view.
+    args = session.posargs or ["-m", "not slow", "--durations=30"]
     session.run("pytest", *paths, *args, env={"TRITON_INTERPRET": "1"})
 
 
