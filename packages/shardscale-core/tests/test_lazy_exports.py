@@ -30,3 +30,20 @@ def test_a_name_is_imported_on_first_access_and_cached() -> None:
             pkg.nope  # type: ignore[attr-defined]
     finally:
         del sys.modules[pkg.__name__]
+
+
+def test_a_later_change_to_the_callers_table_changes_nothing() -> None:
+    pkg = types.ModuleType("lazy_pkg_table_under_test")
+    sys.modules[pkg.__name__] = pkg
+    try:
+        where = {"dumps": "json"}
+        getattr_, _ = lazy_exports(pkg.__name__, where)
+        where["dumps"] = "pickle"  # the table is the caller's dict: written after the fact
+        where["loads"] = "json"
+        import json
+
+        assert getattr_("dumps") is json.dumps
+        with pytest.raises(AttributeError, match="no attribute 'loads'"):
+            getattr_("loads")
+    finally:
+        del sys.modules[pkg.__name__]

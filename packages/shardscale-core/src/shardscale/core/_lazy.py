@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 __all__ = ["lazy_exports"]
@@ -22,8 +23,10 @@ def lazy_exports(
 
     Use it as ``__getattr__, __dir__ = lazy_exports(__name__, {"name": "pkg._mod", ...})``.
     A name is imported on first access and then cached in the module's globals;
-    an unknown name raises ``AttributeError`` as a normal module would.
+    an unknown name raises ``AttributeError`` as a normal module would. ``where``
+    is copied read-only: a later change to the caller's dict changes nothing.
     """
+    where = MappingProxyType(dict(where))
 
     def __getattr__(name: str) -> Any:
         source = where.get(name)

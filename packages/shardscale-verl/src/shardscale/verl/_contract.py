@@ -32,14 +32,16 @@ __all__ = [
 TESTED_VERL = "0.9.1"
 #: The verl release the legacy actor tests run (noxfile VERL_LEGACY pins it).
 TESTED_VERL_LEGACY = "0.7.1"
+_ENGINE_SERIES, _ACTOR_SERIES = "0.9", "0.7"
 #: What each path supports: (what it takes, the verl series, the release tested).
 SUPPORTED_VERL: tuple[tuple[str, str, str], ...] = (
-    ("verl's FSDP engine (FSDPEngine)", "0.9", TESTED_VERL),
-    ("verl 0.7's legacy actor (DataParallelPPOActor)", "0.7", TESTED_VERL_LEGACY),
+    ("verl's FSDP engine (FSDPEngine)", _ENGINE_SERIES, TESTED_VERL),
+    ("verl 0.7's legacy actor (DataParallelPPOActor)", _ACTOR_SERIES, TESTED_VERL_LEGACY),
 )
 
 Kind = Literal["engine", "actor"]
-_SERIES: dict[str, str] = {"engine": "0.9", "actor": "0.7"}
+#: Which path each verl series takes (a tuple: shared by every caller, never written).
+_SERIES: tuple[tuple[Kind, str], ...] = (("engine", _ENGINE_SERIES), ("actor", _ACTOR_SERIES))
 _ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 _ACTOR_MODULE = "verl.workers.actor.dp_actor"
 
@@ -91,9 +93,9 @@ def _series(version: str) -> str:
 def installed_kind() -> Kind:
     """Which path the installed verl supports ("engine" on 0.9, "actor" on 0.7); else raises."""
     version = _installed()
-    for kind, series in _SERIES.items():
+    for kind, series in _SERIES:
         if _series(version) == series:
-            return kind  # type: ignore[return-value]
+            return kind
     raise VerlContractError(
         f"shardscale.verl does not support the installed verl {version}. It supports: "
         f"{_supported()}. Install verl=={TESTED_VERL} (the engine) or verl=={TESTED_VERL_LEGACY} "
