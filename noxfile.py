@@ -68,10 +68,6 @@ TEST_FRAMEWORKS = ["trl==1.16.0", "torchtitan==0.3.0"]
 # torch takes about 2 minutes (7.5 with five other installs on the machine; a 2 GB venv).
 VERL_DIST = "shardscale-verl"
 VERL = "verl==0.9.1"
-# What the verl session installs from this tree: shardscale-verl and the CLI (for ``shardscale
-# plugins``/``doctor`` and the packaging checks), with every distribution of this tree they
-# depend on (``_local_closure`` reads them from the pyprojects: a new one cannot be forgotten).
-VERL_ROOTS = [VERL_DIST, "shardscale"]
 # shardscale-rlinf runs in a venv of its own (``nox -s rlinf``): RLinf 0.3.0 imports
 # transformers' AutoModelForVision2Seq (gone in transformers 5) and does not declare transformers
 # (its FSDP manager imports it), so the session pins the last 4.x RLinf's extras allow. Its own
@@ -79,14 +75,14 @@ VERL_ROOTS = [VERL_DIST, "shardscale"]
 RLINF_DIST = "shardscale-rlinf"
 RLINF = "rlinf==0.3.0"
 RLINF_TRANSFORMERS = "transformers==4.57.6"
-# What the rlinf session installs from this tree (as the verl session: with their closure).
-RLINF_ROOTS = [RLINF_DIST, "shardscale"]
 # verl 0.7's legacy actor (``nox -s verl_legacy``): a venv of its own again. verl 0.7.1 pins
 # numpy<2 and leaves transformers, datasets and pyarrow open, and the newest of those do not run
 # with it: transformers 5 makes ``_no_split_modules`` a set, which verl 0.7's ``apply_fsdp2``
 # indexes (TypeError); pyarrow 26 needs numpy 2; datasets 5 needs a huggingface_hub that
-# transformers 4 refuses. So the releases of its time are pinned beside it. It installs what
-# the verl session does from this tree (VERL_ROOTS' closure).
+# transformers 4 refuses. So the releases of its time are pinned beside it.
+# From this tree, each of these sessions installs its distribution and the CLI (for ``shardscale
+# plugins``/``doctor``) with every distribution of this tree they depend on (``_local_closure``
+# reads them from the pyprojects: a new one cannot be forgotten).
 VERL_LEGACY = "verl==0.7.1"
 VERL_LEGACY_PINS = ["transformers==4.57.6", "datasets==4.4.1", "pyarrow==22.0.0"]
 # Extras the tests session installs with their distribution (the observers' own libraries).
@@ -547,51 +543,79 @@ def _skips_outside_xfail(junit: Path) -> list[str]:
     return found
 
 
+def _own_venv_tests(
+    session: nox.Session,
+    *,
+    dist: str,
+    framework: str,
+    install: list[str],
+    versions: str,
+    tests: list[Path],
+    must_run: str,
+    may_skip: str | None = None,
+) -> None:
+    """An integration's tests in a venv of its own, with its framework's real code.
+
+    Installs torch, the test tools and ``install`` (torch pinned in the same command: the
+    framework must not pull another torch) with ``dist``'s in-tree closure and the CLI; prints
+    ``versions`` (Python run in the venv); checks that ``shardscale plugins`` lists ``dist`` and
+    ``shardscale doctor`` finds it with ``framework``; runs ``tests``; and fails unless tests
+    whose class path holds ``must_run`` ran and none of them was skipped (``may_skip``: a
+    module that skips here by design), so a framework that stops importing cannot turn the
+    session green.
+    """
+    _install_torch(session, DEFAULT_TORCH)
+    session.install(*TEST_DEPS)
+    closure = _local_closure([dist, "shardscale"])
+    session.install(f"torch=={DEFAULT_TORCH}", *install,
+                    *(str(ROOT / "packages" / d) for d in closure))  # fmt: skip
+    session.run("python", "-c", versions)
+    listed = session.run("shardscale", "plugins", silent=True)
+    if dist not in str(listed):
+        session.error(f"`shardscale plugins` does not list {dist}:\n{listed}")
+    checked = session.run("shardscale", "doctor", "--json", silent=True, success_codes=[0, 1])
+    # Matched in the text: the run's output may carry lines on stderr beside the JSON.
+    if not re.search(rf'"check": "{dist}",\s*"status": "ok"', str(checked)):
+        session.error(f"`shardscale doctor` does not find {dist} with {framework}:\n{checked}")
+    junit = Path(session.create_tmp()) / f"{session.name}-junit.xml"
+    session.run("pytest", *map(str, tests), "--junitxml", str(junit), *session.posargs)
+    import xml.etree.ElementTree as ET
+
+    cases = ET.parse(junit).getroot().iter("testcase")
+    if not any(must_run in str(c.get("classname")) for c in cases):
+        session.error(f"no test of {must_run} ran")
+    skipped = [
+        s
+        for s in _skips_outside_xfail(junit)
+        if must_run in s.split(": ")[0] and (may_skip is None or may_skip not in s.split(": ")[0])
+    ]
+    if skipped:
+        session.error(
+            f"{must_run} tests were skipped here, where {framework} is installed:\n"
+            + "\n".join(skipped)
+        )
+
+
+_PACKAGING_TESTS = ROOT / "packages" / "shardscale" / "tests" / "test_packaging.py"
+
+
 @nox.session(python=PYTHON)
 def verl(session: nox.Session) -> None:
     """shardscale-verl's tests with verl's real FSDP engine (verl 0.9.1) on 2 gloo ranks.
 
-    A venv of its own (verl pins transformers<5.11); fails if any of the tests was skipped, so
-    a verl that stops importing cannot turn the session green.
+    A venv of its own (verl pins transformers<5.11); fails if any of the tests was skipped but
+    test_legacy_actor.py (verl 0.7's: ``nox -s verl_legacy``).
     """
-    _install_torch(session, DEFAULT_TORCH)
-    session.install(*TEST_DEPS)
-    # torch pinned in the same command: verl must not pull another torch.
-    session.install(
-        f"torch=={DEFAULT_TORCH}",
-        VERL,
-        *(str(ROOT / "packages" / d) for d in _local_closure(VERL_ROOTS)),
+    _own_venv_tests(
+        session,
+        dist=VERL_DIST,
+        framework="verl",
+        install=[VERL],
+        versions="import torch, verl; print('torch', torch.__version__, 'verl', verl.__version__)",
+        tests=[ROOT / "packages" / VERL_DIST / "tests", _PACKAGING_TESTS],
+        must_run="verl",
+        may_skip="test_legacy_actor",
     )
-    session.run("python", "-c", "import torch, verl; print('torch', torch.__version__, "
-                "'verl', verl.__version__)")  # fmt: skip
-    listed = session.run("shardscale", "plugins", silent=True)
-    if "shardscale-verl" not in str(listed):
-        session.error(f"`shardscale plugins` does not list shardscale-verl:\n{listed}")
-    checked = session.run("shardscale", "doctor", "--json", silent=True, success_codes=[0, 1])
-    # Matched in the text: the run's output may carry lines on stderr beside the JSON.
-    if not re.search(r'"check": "shardscale-verl",\s*"status": "ok"', str(checked)):
-        session.error(f"`shardscale doctor` does not find shardscale-verl with verl:\n{checked}")
-    junit = Path(session.create_tmp()) / "verl-junit.xml"
-    tests = [str(ROOT / "packages" / VERL_DIST / "tests"),
-             str(ROOT / "packages" / "shardscale" / "tests" / "test_packaging.py")]  # fmt: skip
-    session.run("pytest", *tests, "--junitxml", str(junit), *session.posargs)
-    import xml.etree.ElementTree as ET
-
-    ran = [
-        c for c in ET.parse(junit).getroot().iter("testcase") if "verl" in str(c.get("classname"))
-    ]
-    if not ran:
-        session.error("no shardscale-verl test ran")
-    # test_legacy_actor.py is verl 0.7's (nox -s verl_legacy): it skips here by design.
-    skipped = [
-        s
-        for s in _skips_outside_xfail(junit)
-        if "verl" in s.split(": ")[0] and "test_legacy_actor" not in s.split(": ")[0]
-    ]
-    if skipped:
-        session.error(
-            "verl tests were skipped here, where verl is installed:\n" + "\n".join(skipped)
-        )
 
 
 @nox.session(python=PYTHON)
@@ -599,39 +623,18 @@ def rlinf(session: nox.Session) -> None:
     """shardscale-rlinf's tests with RLinf's real FSDPModelManager (RLinf 0.3.0) on 2 gloo ranks.
 
     A venv of its own (RLinf 0.3.0 needs transformers 4.x); fails if any of the tests was
-    skipped, so an RLinf that stops importing cannot turn the session green. Not part of
-    ``nox -s tests``.
+    skipped. Not part of ``nox -s tests``.
     """
-    _install_torch(session, DEFAULT_TORCH)
-    session.install(*TEST_DEPS)
-    # torch pinned in the same command: RLinf must not pull another torch.
-    session.install(f"torch=={DEFAULT_TORCH}", RLINF, RLINF_TRANSFORMERS,
-                    *(str(ROOT / "packages" / d) for d in _local_closure(RLINF_ROOTS)))  # fmt: skip
-    session.run("python", "-c", "import torch, transformers, importlib.metadata as md; "
-                "print('torch', torch.__version__, 'rlinf', md.version('rlinf'), "
-                "'transformers', transformers.__version__)")  # fmt: skip
-    listed = session.run("shardscale", "plugins", silent=True)
-    if "shardscale-rlinf" not in str(listed):
-        session.error(f"`shardscale plugins` does not list shardscale-rlinf:\n{listed}")
-    checked = session.run("shardscale", "doctor", "--json", silent=True, success_codes=[0, 1])
-    if not re.search(r'"check": "shardscale-rlinf",\s*"status": "ok"', str(checked)):
-        session.error(f"`shardscale doctor` does not find shardscale-rlinf with rlinf:\n{checked}")
-    junit = Path(session.create_tmp()) / "rlinf-junit.xml"
-    tests = [str(ROOT / "packages" / RLINF_DIST / "tests"),
-             str(ROOT / "packages" / "shardscale" / "tests" / "test_packaging.py")]  # fmt: skip
-    session.run("pytest", *tests, "--junitxml", str(junit), *session.posargs)
-    import xml.etree.ElementTree as ET
-
-    ran = [
-        c for c in ET.parse(junit).getroot().iter("testcase") if "rlinf" in str(c.get("classname"))
-    ]
-    if not ran:
-        session.error("no shardscale-rlinf test ran")
-    skipped = [s for s in _skips_outside_xfail(junit) if "rlinf" in s.split(": ")[0]]
-    if skipped:
-        session.error(
-            "rlinf tests were skipped here, where RLinf is installed:\n" + "\n".join(skipped)
-        )
+    _own_venv_tests(
+        session,
+        dist=RLINF_DIST,
+        framework="rlinf",
+        install=[RLINF, RLINF_TRANSFORMERS],
+        versions="import torch, transformers, importlib.metadata as md; print('torch', "
+        "torch.__version__, 'rlinf', md.version('rlinf'), 'transformers', transformers.__version__)",
+        tests=[ROOT / "packages" / RLINF_DIST / "tests", _PACKAGING_TESTS],
+        must_run="rlinf",
+    )
 
 
 @nox.session(python=PYTHON)
@@ -639,39 +642,19 @@ def verl_legacy(session: nox.Session) -> None:
     """shardscale-verl's tests with verl 0.7.1's legacy actor (DataParallelPPOActor), 2 gloo ranks.
 
     A venv of its own (verl 0.7.1 with the transformers 4 of its time); not part of ``tests``
-    (CI's time). The engine tests (verl 0.9) must skip here, the legacy ones must all run: the
-    session fails if any of test_legacy_actor.py was skipped.
+    (CI's time). The engine tests (verl 0.9) skip here; the session fails if any of
+    test_legacy_actor.py was skipped.
     """
-    _install_torch(session, DEFAULT_TORCH)
-    session.install(*TEST_DEPS)
-    # torch pinned in the same command: verl must not pull another torch.
-    session.install(
-        f"torch=={DEFAULT_TORCH}",
-        VERL_LEGACY,
-        *VERL_LEGACY_PINS,
-        *(str(ROOT / "packages" / d) for d in _local_closure(VERL_ROOTS)),
+    _own_venv_tests(
+        session,
+        dist=VERL_DIST,
+        framework="verl",
+        install=[VERL_LEGACY, *VERL_LEGACY_PINS],
+        versions="import torch, transformers, verl; print('torch', torch.__version__, 'verl', "
+        "verl.__version__, 'transformers', transformers.__version__)",
+        tests=[ROOT / "packages" / VERL_DIST / "tests"],
+        must_run="test_legacy_actor",
     )
-    session.run("python", "-c", "import torch, transformers, verl; print('torch', "
-                "torch.__version__, 'verl', verl.__version__, 'transformers', "
-                "transformers.__version__)")  # fmt: skip
-    checked = session.run("shardscale", "doctor", "--json", silent=True, success_codes=[0, 1])
-    if not re.search(r'"check": "shardscale-verl",\s*"status": "ok"', str(checked)):
-        session.error(f"`shardscale doctor` does not find shardscale-verl with verl:\n{checked}")
-    junit = Path(session.create_tmp()) / "verl-legacy-junit.xml"
-    session.run("pytest", str(ROOT / "packages" / VERL_DIST / "tests"), "--junitxml", str(junit),
-                *session.posargs)  # fmt: skip
-    import xml.etree.ElementTree as ET
-
-    legacy = "test_legacy_actor"
-    ran = [
-        c for c in ET.parse(junit).getroot().iter("testcase") if legacy in str(c.get("classname"))
-    ]
-    if not ran:
-        session.error("no test of test_legacy_actor.py ran")
-    skipped = [s for s in _skips_outside_xfail(junit) if legacy in s.split(": ")[0]]
-    if skipped:
-        session.error("legacy actor tests were skipped here, where verl 0.7 is installed:\n"
-                      + "\n".join(skipped))  # fmt: skip
 
 
 def _build_wheels(session: nox.Session) -> None:
